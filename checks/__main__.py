@@ -1,0 +1,180 @@
+"""`./check.sh`: check a module, list the modules, or reset a file to its stub.
+
+    ./check.sh m02                      check mine/m02_thinker_attention.py
+    ./check.sh m02 --impl solutions     check the reference (or --impl DIR: a student's folder)
+    ./check.sh all --json results.json  check every module, write every result to a file
+    ./check.sh list                     modules, titles and the status of your last check
+    ./check.sh reset m02                back up mine/m02_... and put the stub back
+"""
+
+import argparse
+import json
+import os
+import shutil
+import sys
+import time
+from pathlib import Path
+
+sys.dont_write_bytecode = True  # never leave __pycache__ in a learner's or student's folder
+
+ROOT = Path(__file__).resolve().parents[1]
+STATE = ROOT / ".kvlab"  # the learner's last results (read by `list` and the book) and reset backups
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="./check.sh", description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter,
+                                     epilog=__doc__.split("\n\n", 1)[1])
+    parser.add_argument("target", nargs="+", metavar="MODULE", help="module ids (m01 m02 ...), all, list, or reset MODULE")
+    parser.add_argument("--impl", action="append", metavar="IMPL",
+                        help="mine (default), solutions, a folder with mine/'s file names; or mutants, variants, "
+                             "broken: the kit's catalogue of known mistakes, accepted variants and broken code")
+    parser.add_argument("--seed", type=int, help="base seed; a run prints its own so it can be replayed")
+    parser.add_argument("--json", metavar="FILE", help="also write every result to FILE as JSON")
+    parser.add_argument("-k", metavar="EXPR", help="only checks whose name matches EXPR (pytest -k)")
+    parser.add_argument("--time-limit", type=float, default=10.0, help="seconds one call of your code may take")
+    parser.add_argument("--pytest", action="store_true", help="show pytest's own output as well (for kit developers)")
+    args = parser.parse_args(argv)
+
+    from checks.harness import modules as registry
+
+    if args.target == ["list"]:
+        return list_modules(registry.modules())
+    if args.target[0] == "reset":
+        return reset(args.target[1:], registry)
+    if args.target == ["all"]:
+        selected = registry.modules()
+    else:
+        selected = []
+        for name in args.target:
+            module = registry.find(name)
+            if module is None:
+                known = ", ".join(m.id for m in registry.modules())
+                print(f"./check.sh: no module {name!r} (known: {known}, all, list, reset)", file=sys.stderr)
+                return 2
+            selected.append(module)
+    return run(selected, args)
+
+
+def run(selected, args) -> int:
+    import torch
+
+    # Triton kernels run in its CPU interpreter when there is no GPU; it must be set before they load.
+    if not torch.cuda.is_available():
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+    import pytest
+
+    from checks.harness.loader import LoadError, named
+    from checks.harness.report import Reporter, to_json
+
+    from checks.conftest import GROUPS
+
+    impls = args.impl or ["mine"]
+    for label in impls:
+        try:
+            label in GROUPS or named(label)
+        except LoadError as error:
+            print(f"./check.sh: {error}", file=sys.stderr)
+            return 2
+    pytest_args = [str(m.checks) for m in selected] + [
+        "--time-limit", str(args.time_limit), "-p", "no:cacheprovider",
+        "--rootdir", str(ROOT), "-c", str(ROOT / "pyproject.toml"),
+    ]
+    for label in impls:
+        pytest_args += ["--impl", label]
+    if args.seed is not None:
+        pytest_args += ["--seed", str(args.seed)]
+    if args.k:
+        pytest_args += ["-k", args.k]
+    if not args.pytest:
+        pytest_args += ["-p", "no:terminal"]
+    reporter = Reporter(None, render=True)
+    code = pytest.main(pytest_args, plugins=[_Attach(reporter)])
+    results = reporter.results
+    if code not in (pytest.ExitCode.OK, pytest.ExitCode.TESTS_FAILED) or not results:
+        print(f"./check.sh: the checks did not run (pytest exit code {int(code)}); rerun with --pytest to see why",
+              file=sys.stderr)
+        return 3
+    if args.json:
+        Path(args.json).write_text(json.dumps(to_json(results, reporter.config.kvlab_seed), indent=1))
+    if impls == ["mine"]:
+        remember(results)
+    return 0 if all(r.status in ("passed", "skipped") for r in results) else 1
+
+
+class _Attach:
+    """Hands the pytest config to the reporter, which the CLI made before pytest started."""
+
+    def __init__(self, reporter):
+        self.reporter = reporter
+
+    @__import__("pytest").hookimpl(tryfirst=True)
+    def pytest_configure(self, config):
+        self.reporter.config = config
+        config.pluginmanager.register(self.reporter, "kvlab-reporter")
+
+
+def remember(results) -> None:
+    """Keep the learner's latest result per module for `./check.sh list` and the book."""
+    path = STATE / "results.json"
+    state = json.loads(path.read_text()) if path.is_file() else {}
+    for stem in {r.module for r in results}:
+        rows = [r for r in results if r.module == stem]
+        state[stem] = {"when": time.strftime("%Y-%m-%d %H:%M"), "checks": len(rows),
+                       "passed": sum(r.status == "passed" for r in rows),
+                       "not_started": sum(r.status == "not started" for r in rows)}
+    STATE.mkdir(exist_ok=True)
+    path.write_text(json.dumps(state, indent=1))
+
+
+def status_text(entry: dict | None) -> str:
+    if entry is None:
+        return "never checked"
+    if entry["not_started"] == entry["checks"]:
+        return "not started"
+    if entry["passed"] == entry["checks"]:
+        return f"done ({entry['checks']}/{entry['checks']} passed)"
+    return f"{entry['passed']}/{entry['checks']} passed"
+
+
+def list_modules(found) -> int:
+    path = STATE / "results.json"
+    state = json.loads(path.read_text()) if path.is_file() else {}
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title="KV Lab modules", title_justify="left", show_edge=False, pad_edge=False)
+    for column in ("id", "title", "track", "minutes", "difficulty", "your status", "file"):
+        table.add_column(column)
+    for m in found:
+        table.add_row(m.id, m.title, m.track, str(m.minutes or ""), m.difficulty, status_text(state.get(m.stem)),
+                      f"mine/{m.stem}.py")
+    Console(highlight=False).print(table)
+    print("\nCheck one with ./check.sh <id>, e.g. ./check.sh m02")
+    return 0
+
+
+def reset(names: list[str], registry) -> int:
+    from checks.harness.stubs import stub_for
+
+    if not names:
+        print("./check.sh reset: which module? e.g. ./check.sh reset m02", file=sys.stderr)
+        return 2
+    for name in names:
+        module = registry.find(name)
+        if module is None:
+            print(f"./check.sh reset: no module {name!r}", file=sys.stderr)
+            return 2
+        target = ROOT / "mine" / f"{module.stem}.py"
+        if target.exists():
+            backup = STATE / "backups" / f"{module.stem}.{time.strftime('%Y%m%d-%H%M%S')}.py"
+            backup.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(target, backup)
+            print(f"backed up mine/{module.stem}.py to {backup.relative_to(ROOT)}")
+        target.write_text(stub_for(ROOT, module.stem), encoding="utf-8")
+        print(f"mine/{module.stem}.py is the stub again")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

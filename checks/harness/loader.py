@@ -1,0 +1,129 @@
+"""Loading an implementation folder (`mine/`, `solutions/`, a student's folder, or a mutant).
+
+Each implementation gets a package of its own whose `__path__` is its folder, so two folders never
+share modules, a file may import its siblings (`from .m01_rmsnorm import rms_norm`), and nothing is
+written anywhere (no `__pycache__` in the learner's folder). A file that cannot be loaded becomes a
+`LoadError` whose message is one line naming the file and the line.
+"""
+
+import itertools
+import sys
+import types
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+class LoadError(Exception):
+    """The implementation file is missing or cannot be imported; the message is the report's reason."""
+
+
+@dataclass(frozen=True)
+class Implementation:
+    """Where a module's code comes from.
+
+    `label` names it in reports ("mine", "solutions", a folder path, "mutant:m02:no-causal-mask");
+    `patch` rewrites the source of one module (mutants and broken samples are patches of solutions/).
+    """
+
+    label: str
+    folder: Path
+    patch: tuple[str, Callable[[str], str]] | None = None
+    kind: str = "learner"  # learner | reference | mutant | variant | broken
+    _packages: dict = field(default_factory=dict, compare=False, hash=False, repr=False)
+
+    def path(self, stem: str) -> Path:
+        return self.folder / f"{stem}.py"
+
+    def shown_path(self, stem: str) -> str:
+        return display(self.path(stem))
+
+    def load(self, stem: str) -> types.ModuleType:
+        if stem in self._packages:
+            loaded = self._packages[stem]
+            if isinstance(loaded, LoadError):
+                raise loaded
+            return loaded
+        try:
+            module = self._load(stem)
+        except LoadError as error:
+            self._packages[stem] = error
+            raise
+        self._packages[stem] = module
+        return module
+
+    def _load(self, stem: str) -> types.ModuleType:
+        path = self.path(stem)
+        if not path.is_file():
+            raise LoadError(f"{display(path)} does not exist")
+        source = path.read_text(encoding="utf-8")
+        if self.patch is not None and self.patch[0] == stem:
+            source = self.patch[1](source)
+        package = self._package()
+        name = f"{package.__name__}.{stem}"
+        try:
+            code = compile(source, str(path), "exec", dont_inherit=True)
+        except SyntaxError as error:
+            raise LoadError(
+                f"{display(path)} line {error.lineno}: SyntaxError: {error.msg}"
+            ) from None
+        module = types.ModuleType(name)
+        module.__file__ = str(path)
+        module.__package__ = package.__name__
+        sys.modules[name] = module
+        try:
+            exec(code, module.__dict__)
+        except Exception as error:  # noqa: BLE001 - any import-time failure is the learner's to see
+            del sys.modules[name]
+            line = last_line_in(error.__traceback__, str(path))
+            where = f" line {line}" if line else ""
+            raise LoadError(
+                f"{display(path)}{where}: importing it raised {type(error).__name__}: {error}"
+            ) from None
+        return module
+
+    def _package(self) -> types.ModuleType:
+        package = self._packages.get("")
+        if package is None:
+            package = types.ModuleType(f"kvlab_impl_{next(_counter)}")
+            package.__path__ = [str(self.folder)]
+            sys.modules[package.__name__] = package
+            self._packages[""] = package
+        return package
+
+
+_counter = itertools.count()
+
+
+def last_line_in(tb, filename: str) -> int | None:
+    """The line of the deepest traceback frame that lies in `filename` (the learner's own line)."""
+    line = None
+    while tb is not None:
+        if tb.tb_frame.f_code.co_filename == filename:
+            line = tb.tb_lineno
+        tb = tb.tb_next
+    return line
+
+
+def display(path: Path) -> str:
+    path = Path(path).resolve()
+    try:
+        return str(path.relative_to(ROOT))
+    except ValueError:
+        return str(path)
+
+
+def named(label: str) -> Implementation:
+    """`mine`, `solutions`, or a folder path (relative to the current directory or the kit)."""
+    if label in ("mine", "solutions"):
+        return Implementation(label, ROOT / label, kind="reference" if label == "solutions" else "learner")
+    folder = Path(label).expanduser()
+    if not folder.is_absolute() and not folder.exists():
+        folder = ROOT / folder
+    if not folder.is_dir():
+        raise LoadError(f"--impl {label}: no such folder")
+    folder = folder.resolve()
+    kind = "reference" if folder == (ROOT / "solutions").resolve() else "learner"
+    return Implementation(display(folder), folder, kind=kind)

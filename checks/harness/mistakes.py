@@ -1,0 +1,172 @@
+"""The mistake catalogue: known mistakes as mutants of the reference, and how a learner's is named.
+
+Every module has `checks/mutants/<stem>.py` with three lists, each entry a patch of the reference
+source in `solutions/<stem>.py`:
+- `MISTAKES`: a known mistake. The kit's self-tests prove that the module's checks reject each one,
+  and that the report names it.
+- `VARIANTS`: a correct implementation that rounds in another order (e.g. Hugging Face's vs
+  nano-vllm's). The self-tests prove each one passes: the tolerances are not too tight.
+- `BROKEN`: code that crashes, hangs or returns garbage. The self-tests prove each gets a one-line
+  reason on every check.
+
+A patch must apply exactly once, so a mutant cannot silently stop being a mutant when the reference
+is edited. When a learner fails a check, the calls the check made are replayed on every mutant, and a
+mutant whose outputs (and cache states) match the learner's within the check's tolerance is named.
+"""
+
+import importlib
+from collections.abc import Callable
+from dataclasses import dataclass
+from functools import cache
+
+import torch
+
+from .compare import TOLERANCES, close_enough
+from .guard import Call, New, argument_names, changed_input, leaves, run_with_time_limit
+from .loader import ROOT, Implementation
+
+Patch = Callable[[str], str]
+
+
+class StalePatch(Exception):
+    """A mutant's patch no longer matches the reference source: the catalogue must be updated."""
+
+
+def replace(old: str, new: str) -> Patch:
+    def patch(source: str) -> str:
+        found = source.count(old)
+        if found != 1:
+            raise StalePatch(f"expected exactly one {old!r} in the reference, found {found}")
+        return source.replace(old, new)
+
+    return patch
+
+
+def append(code: str) -> Patch:
+    """Add code at the end of the module (e.g. a wrapper that redefines a function)."""
+    return lambda source: source.rstrip("\n") + "\n\n\n" + code.strip("\n") + "\n"
+
+
+def chain(*patches: Patch) -> Patch:
+    def patch(source: str) -> str:
+        for p in patches:
+            source = p(source)
+        return source
+
+    return patch
+
+
+@dataclass(frozen=True)
+class Mistake:
+    id: str
+    title: str  # what the learner did, in a few words
+    hint: str  # one sentence on how to find it in their code
+    patch: Patch
+
+
+@dataclass(frozen=True)
+class Variant:
+    id: str
+    title: str
+    patch: Patch
+
+
+@dataclass(frozen=True)
+class Broken:
+    id: str
+    patch: Patch
+    expect: str  # text the one-line reason must contain
+
+
+@dataclass(frozen=True)
+class Catalogue:
+    stem: str
+    mistakes: tuple[Mistake, ...]
+    variants: tuple[Variant, ...]
+    broken: tuple[Broken, ...]
+
+    def implementation(self, entry: Mistake | Variant | Broken) -> Implementation:
+        kind = {Mistake: "mutant", Variant: "variant", Broken: "broken"}[type(entry)]
+        return _implementation(self.stem, kind, entry)
+
+    def mistake(self, mistake_id: str) -> Mistake:
+        return next(m for m in self.mistakes if m.id == mistake_id)
+
+
+@cache
+def _implementation(stem: str, kind: str, entry) -> Implementation:
+    return Implementation(f"{kind}:{stem}:{entry.id}", ROOT / "solutions", (stem, entry.patch), kind)
+
+
+@cache
+def catalogue(stem: str) -> Catalogue:
+    module = importlib.import_module(f"checks.mutants.{stem}")
+    return Catalogue(
+        stem,
+        tuple(module.MISTAKES),
+        tuple(getattr(module, "VARIANTS", ())),
+        tuple(getattr(module, "BROKEN", ())),
+    )
+
+
+def identify(events: list, stem: str, tolerance_kind: str, time_limit: float) -> list[Mistake]:
+    """The catalogued mistakes whose replay of `events` reproduces the learner's outputs."""
+    found = []
+    for mistake in catalogue(stem).mistakes:
+        try:
+            module = catalogue(stem).implementation(mistake).load(stem)
+        except Exception:  # noqa: BLE001 - a stale mutant must not hide the learner's result
+            continue
+        if _replays_alike(events, module, tolerance_kind, time_limit):
+            found.append(mistake)
+    return found
+
+
+def _replays_alike(events: list, module, tolerance_kind: str, time_limit: float) -> bool:
+    made = {}
+    for event in events:
+        try:
+            if isinstance(event, New):
+                made[id(event.obj)] = getattr(module, event.name)()
+                continue
+            assert isinstance(event, Call)
+            args = tuple(_fresh(a, made) for a in event.args)
+            kwargs = {k: _fresh(v, made) for k, v in event.kwargs.items()}
+            function = getattr(module, event.name)
+            names = argument_names(function, args, kwargs)
+            before = {arg: leaves(value) for arg, value in names.items()}
+            result = run_with_time_limit(function, time_limit, *args, **kwargs)
+        except BaseException:  # noqa: BLE001 - the mutant crashed where the learner did not
+            return False
+        if not _alike(result, event.result, tolerance_kind):
+            return False
+        if (changed_input(before, names) is None) != (event.changed is None):
+            return False
+        for obj_id, state in event.states.items():
+            mine = leaves(made[obj_id])
+            if mine.keys() != state.keys():
+                return False
+            if not all(_alike(mine[path], state[path], tolerance_kind) for path in state):
+                return False
+    return True
+
+
+def _fresh(value, made: dict):
+    if isinstance(value, torch.Tensor):
+        return value.clone()
+    return made.get(id(value), value)
+
+
+def _alike(a, b, tolerance_kind: str) -> bool:
+    if isinstance(b, tuple):
+        return isinstance(a, tuple) and len(a) == len(b) and all(
+            _alike(x, y, tolerance_kind) for x, y in zip(a, b)
+        )
+    if not isinstance(a, torch.Tensor) or not isinstance(b, torch.Tensor):
+        return a == b
+    if a.shape != b.shape or a.dtype != b.dtype:
+        return False
+    tol = TOLERANCES.get((tolerance_kind, b.dtype))
+    if tol is None:
+        return bool(torch.equal(a, b))
+    return close_enough(a, b, tol)

@@ -1,0 +1,146 @@
+"""The report: a pytest plugin that turns each check's outcome into one row and a short reason.
+
+Statuses: passed, failed, not started (the stub's NotImplementedError), skipped (an optional oracle
+is absent), and kit error (a bug in the check itself, never the learner's fault). A failure carries
+one-line reasons only: the case's seed, the error against the tolerance, and the name of the known
+mistake the learner's output matches, if any — never a pytest traceback.
+"""
+
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+
+import pytest
+import torch
+
+from .compare import Mismatch
+from .guard import LearnerError, NotStarted
+from .mistakes import catalogue, identify
+from .modules import find
+
+
+@dataclass
+class Result:
+    module: str  # stem
+    check: str  # the check's title (its docstring's first line)
+    case: str  # parameters, e.g. "bf16-H8-KVH2"
+    impl: str
+    status: str  # passed | failed | not started | skipped | kit error
+    reason: str = ""
+    mistakes: list[str] = field(default_factory=list)
+    seed: int | None = None
+    seconds: float = 0.0
+    verified_on: str = ""
+    nodeid: str = ""
+
+
+def check_title(item) -> str:
+    doc = (getattr(item, "function", None) and item.function.__doc__) or ""
+    return doc.strip().splitlines()[0].rstrip(".") if doc.strip() else item.originalname.removeprefix("test_")
+
+
+def verified_on(item) -> str:
+    describe = getattr(item.module, "verified_on", None)
+    return describe() if describe else f"CPU (PyTorch {torch.__version__.split('+')[0]})"
+
+
+class Reporter:
+    def __init__(self, config, render: bool):
+        self.config = config
+        self.render = render
+        self.results: list[Result] = []
+        self.started = time.perf_counter()
+
+    @pytest.hookimpl(hookwrapper=True)
+    def pytest_runtest_makereport(self, item, call):
+        outcome = yield
+        report = outcome.get_result()
+        if report.when == "call" or (report.when == "setup" and not report.passed):
+            result = self.classify(item, call, report)
+            self.results.append(result)
+            if self.render and result.status != "passed":
+                report.longrepr = result.reason  # keep pytest's own output short if it is shown at all
+
+    def classify(self, item, call, report) -> Result:
+        from checks.conftest import case_id, case_seed, module_stem  # conftest imports this module
+
+        stem = module_stem(item.module)
+        impl = item.callspec.params["impl"].label if hasattr(item, "callspec") and "impl" in item.callspec.params else ""
+        result = Result(stem, check_title(item), case_id(item), impl, "passed", seed=case_seed(item),
+                        seconds=round(call.duration, 3), verified_on=verified_on(item), nodeid=item.nodeid)
+        if report.skipped:
+            result.status = "skipped"
+            longrepr = report.longrepr
+            result.reason = longrepr[2] if isinstance(longrepr, tuple) else str(longrepr)
+            result.reason = result.reason.removeprefix("Skipped: ")
+            return result
+        if call.excinfo is None:
+            return result
+        error = call.excinfo.value
+        if isinstance(error, NotStarted):
+            result.status, result.reason = "not started", str(error)
+        elif isinstance(error, (LearnerError, Mismatch)) or type(error) is AssertionError:
+            result.status, result.reason = "failed", str(error).strip().splitlines()[0]
+            if isinstance(error, Mismatch) or getattr(error, "identifiable", False):
+                result.mistakes = self.name_mistakes(item, stem)
+        else:
+            entry = call.excinfo.traceback[-1]
+            result.status = "kit error"
+            result.reason = f"{type(error).__name__}: {error} ({entry.path.name} line {entry.lineno + 1})"
+        return result
+
+    def name_mistakes(self, item, stem: str) -> list[str]:
+        guarded = item.funcargs.get("impl")
+        if guarded is None or not guarded.events:
+            return []
+        kind = getattr(item.module, "TOLERANCE_KIND", "elementwise")
+        return [m.id for m in identify(guarded.events, stem, kind, guarded.time_limit)]
+
+    def pytest_sessionfinish(self, session):
+        if self.render:
+            render(self.results, self.config.kvlab_seed, time.perf_counter() - self.started)
+
+
+ICONS = {"passed": "[green]✓[/]", "failed": "[red]✗[/]", "not started": "[yellow]·[/]",
+         "skipped": "[blue]-[/]", "kit error": "[magenta]![/]"}
+
+
+def render(results: list[Result], seed: int, seconds: float, file=None) -> None:
+    from rich.console import Console
+    from rich.markup import escape
+
+    console = Console(file=file or sys.stdout, highlight=False, soft_wrap=False)
+    by_module: dict[tuple[str, str], list[Result]] = {}
+    for r in results:
+        by_module.setdefault((r.module, r.impl), []).append(r)
+    for (stem, label), rows in by_module.items():
+        module = find(stem)
+        path = f"{label}/{stem}.py" if label in ("mine", "solutions") else f"{label} ({stem}.py)"
+        console.print()
+        console.print(f"[bold]KV Lab · {module.id if module else stem} · {escape(module.title if module else '')}[/]")
+        console.print(f"[dim]checking {escape(path)} · seed {seed} · verified on {rows[0].verified_on}[/]")
+        width = max(len(r.check) for r in rows)
+        for r in rows:
+            case = f" [dim]\\[{escape(r.case)}][/]" if r.case else ""
+            console.print(f" {ICONS[r.status]} {r.status:<11} {escape(r.check):<{width}}{case}")
+            if r.status in ("failed", "kit error", "skipped") and r.reason:
+                seed_note = f" · case seed {r.seed}" if r.status == "failed" else ""
+                console.print(f"{'':15}[dim]{escape(r.reason)}{seed_note}[/]")
+            for mistake_id in r.mistakes:
+                mistake = catalogue(stem).mistake(mistake_id)
+                console.print(f"{'':15}[yellow]looks like the known mistake[/] [bold]{mistake_id}[/]: {escape(mistake.title)}")
+                console.print(f"{'':15}{escape(mistake.hint)}")
+                console.print(f"{'':15}[dim]more in exercises/{stem}.md › Pitfalls and Hints L2[/]")
+        counts = {s: sum(r.status == s for r in rows) for s in ICONS}
+        summary = " · ".join(f"{n} {s}" for s, n in counts.items() if n)
+        console.print(f"[bold]{module.id if module else stem}: {summary}[/] [dim]({len(rows)} checks)[/]")
+        if counts["not started"] == len(rows):
+            console.print(f"Nothing written yet: open {escape(path)}, read the docstring, and fill in the body. "
+                          f"The exercise page is exercises/{stem}.md.")
+        elif counts["passed"] == len(rows):
+            console.print("[green]All checks pass.[/]")
+    console.print(f"[dim]{seconds:.1f} s · replay this run exactly with --seed {seed}[/]")
+
+
+def to_json(results: list[Result], seed: int) -> dict:
+    return {"seed": seed, "torch": torch.__version__, "results": [asdict(r) for r in results]}

@@ -1,0 +1,111 @@
+"""Checks for M01 · RMSNorm and the fused residual add (mine/m01_rmsnorm.py).
+
+Oracles: the hand-computed rows in toy_cases/m01_rmsnorm.json, Hugging Face's `Qwen3RMSNorm`, and
+HF's `Qwen3DecoderLayer` run for real for the residual wiring.
+"""
+
+import pytest
+import torch
+
+from checks.harness.compare import expect_close, tolerance
+from checks.harness.guard import Returns
+from checks.harness.oracles import hf_decoder_add_norm, hf_rms_norm
+from checks.harness.toys import load_toy
+
+pytestmark = pytest.mark.m01
+
+TOLERANCE_KIND = "elementwise"
+CONTRACTS = {
+    "rms_norm": lambda x, weight, eps: Returns.like(x, "[..., D] like x"),
+    "add_rms_norm": lambda x, residual, weight, eps: (
+        Returns.like(x, "[..., D] like x (normed)"),
+        Returns.like(x, "[..., D] like x (new_residual)"),
+    ),
+}
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+TOY = load_toy("m01_rmsnorm")
+
+
+def random_rows(gen, dtype, *, lead_dims: int, scale: float = 1.0):
+    """x [..., D] with 1-3 irregular leading dims, and a weight around 1 (never all ones)."""
+    shape = [int(torch.randint(1, 7, (), generator=gen)) for _ in range(lead_dims)]
+    D = int(torch.randint(3, 97, (), generator=gen))
+    x = (torch.randn(*shape, D, generator=gen) * scale).to(dtype)
+    weight = (1 + 0.5 * torch.randn(D, generator=gen)).to(dtype)
+    return x, weight
+
+
+@pytest.mark.parametrize("case", TOY["rms_norm"], ids=lambda c: c["name"].replace(" ", "-"))
+def test_toy_rows(impl, case):
+    """rms_norm gives the hand-computed toy rows"""
+    x, weight = torch.tensor(case["x"]), torch.tensor(case["weight"])
+    out = impl.rms_norm(x, weight, case["eps"])
+    expect_close(out, torch.tensor(case["expected"]), tolerance("toy", torch.float32), "output")
+
+
+def test_toy_add_rms_norm(impl):
+    """add_rms_norm gives the hand-computed toy sum and norm"""
+    case = TOY["add_rms_norm"][0]
+    normed, residual = impl.add_rms_norm(
+        torch.tensor(case["x"]), torch.tensor(case["residual"]), torch.tensor(case["weight"]), case["eps"]
+    )
+    tol = tolerance("toy", torch.float32)
+    expect_close(residual, torch.tensor(case["expected_residual"]), tol, "new_residual")
+    expect_close(normed, torch.tensor(case["expected_normed"]), tol, "normed")
+
+
+@pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES.keys())
+@pytest.mark.parametrize("lead_dims", [1, 2, 3], ids=["rows", "batch-rows", "3d"])
+def test_matches_hf_rmsnorm(impl, gen, dtype, lead_dims):
+    """rms_norm matches HF Qwen3RMSNorm on random shapes"""
+    x, weight = random_rows(gen, dtype, lead_dims=lead_dims)
+    expected = hf_rms_norm(x, weight, 1e-6)
+    expect_close(impl.rms_norm(x, weight, 1e-6), expected, tolerance("elementwise", dtype), f"output {list(x.shape)}")
+
+
+def test_fp16_large_values(impl, gen):
+    """fp16 rows with |x| in the hundreds (their squares overflow fp16) match HF"""
+    x, weight = random_rows(gen, torch.float32, lead_dims=1)
+    x = (x.sign() * (200 + 800 * x.abs().clamp(max=1))).to(torch.float16)  # |x| in [200, 1000]
+    weight = weight.to(torch.float16)
+    expected = hf_rms_norm(x, weight, 1e-6)
+    expect_close(impl.rms_norm(x, weight, 1e-6), expected, tolerance("elementwise", torch.float16), "output")
+
+
+@pytest.mark.parametrize("eps", [1e-6, 1e-5])
+def test_tiny_rows_where_eps_matters(impl, gen, eps):
+    """rows whose mean square is close to eps match HF (eps sits inside the square root)"""
+    x, weight = random_rows(gen, torch.float32, lead_dims=1)
+    x = x / x.pow(2).mean(-1, keepdim=True).sqrt() * eps**0.5  # mean square == eps in every row
+    expected = hf_rms_norm(x, weight, eps)
+    expect_close(impl.rms_norm(x, weight, eps), expected, tolerance("elementwise", torch.float32), "output")
+
+
+def test_eps_is_used(impl, gen):
+    """the eps argument is used, not a hard-coded constant"""
+    x, weight = random_rows(gen, torch.float32, lead_dims=1, scale=1e-3)
+    for eps in (1e-2, 1e-7):
+        expected = hf_rms_norm(x, weight, eps)
+        expect_close(impl.rms_norm(x, weight, eps), expected, tolerance("elementwise", torch.float32), f"eps={eps}")
+
+
+@pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES.keys())
+def test_add_rms_norm_matches_hf_decoder_layer(impl, gen, dtype):
+    """add_rms_norm matches HF Qwen3DecoderLayer's residual add + post-attention norm"""
+    x, weight = random_rows(gen, dtype, lead_dims=1)
+    residual = (4 * torch.randn(x.shape, generator=gen)).to(dtype)  # the stream is larger than one update
+    expected_normed, expected_residual = hf_decoder_add_norm(x, residual, weight, 1e-6)
+    normed, new_residual = impl.add_rms_norm(x, residual, weight, 1e-6)
+    tol = tolerance("elementwise", dtype)
+    expect_close(new_residual, expected_residual, tol, "new_residual")
+    expect_close(normed, expected_normed, tol, "normed")
+
+
+@pytest.mark.parametrize("function", ["rms_norm", "add_rms_norm"])
+def test_fp32_inputs_are_not_modified(impl, gen, function):
+    """fp32 inputs are left untouched (`.float()` of an fp32 tensor is the tensor itself)"""
+    x, weight = random_rows(gen, torch.float32, lead_dims=2)
+    if function == "rms_norm":
+        impl.rms_norm(x, weight, 1e-6)  # the guard compares every input with its copy after the call
+    else:
+        impl.add_rms_norm(x, torch.randn(x.shape, generator=gen), weight, 1e-6)

@@ -1,0 +1,170 @@
+"""Checks for M02 · thinker attention: QK-norm + GQA + KV cache (mine/m02_thinker_attention.py).
+
+Oracles: the M02 page's toy (toy_cases/m02_thinker_attention.json) and Hugging Face's
+`Qwen3Attention` (eager) over the whole sequence, built from tiny random configs with H != KVH.
+Every way of feeding the tokens (one prefill, chunks, prefill + decode) must give HF's rows, and the
+cache must hold HF's rotated keys and raw values, [t, KVH, D] per call.
+"""
+
+from dataclasses import dataclass
+from functools import cache
+
+import pytest
+import torch
+
+from checks.harness.compare import Mismatch, expect_close, tolerance
+from checks.harness.guard import LearnerError, Returns
+from checks.harness.oracles import AttentionWeights, hf_attention, hf_cache_contents, rope_tables
+from checks.harness.toys import load_toy
+
+pytestmark = pytest.mark.m02
+
+TOLERANCE_KIND = "attention"
+CONTRACTS = {
+    "attention_forward": lambda w, x, cos, sin, cache=None: Returns.like(
+        x, "[T, hidden]", shape=(x.shape[0], w.o_proj.shape[0])
+    ),
+}
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+# (H, KVH, D, hidden): every layout has H != KVH, and hidden != H*D so a missing o_proj shows.
+LAYOUTS = {
+    "H4-KVH2-D16": (4, 2, 16, 48),
+    "H8-KVH2-D8": (8, 2, 8, 40),
+    "H6-KVH3-D16": (6, 3, 16, 40),
+    "H4-KVH1-D32": (4, 1, 32, 64),
+}
+TOY = load_toy("m02_thinker_attention")
+
+
+@dataclass(frozen=True)
+class Case:
+    w: AttentionWeights
+    x: torch.Tensor  # [S, hidden]
+    cos: torch.Tensor  # [S, D] for positions 0 .. S-1
+    sin: torch.Tensor
+    expected: torch.Tensor  # [S, hidden]: HF over the whole sequence
+    keys: torch.Tensor  # [S, KVH, D]: what the cache must hold
+    values: torch.Tensor
+
+    def rows(self, start: int, stop: int):
+        """Fresh copies of the inputs for tokens start .. stop-1 (a learner may not change them)."""
+        return self.w.clone(), self.x[start:stop].clone(), self.cos[start:stop].clone(), self.sin[start:stop].clone()
+
+
+@cache
+def hf_case(seed: int, layout: str, dtype: torch.dtype, S: int) -> Case:
+    """Random weights and tokens from `seed`, and HF's answers for them (computed once per case)."""
+    gen = torch.Generator().manual_seed(seed)
+    H, KVH, D, hidden = LAYOUTS[layout]
+    w = AttentionWeights.random(gen, hidden, H, KVH, D).to(dtype)
+    x = torch.randn(S, hidden, generator=gen).to(dtype)
+    cos, sin = rope_tables(D, torch.arange(S), dtype)
+    keys, values = hf_cache_contents(w, x, cos, sin)
+    return Case(w, x, cos, sin, hf_attention(w, x, cos, sin), keys, values)
+
+
+def toy_case() -> Case:
+    t = {name: torch.tensor(value) for name, value in TOY["weights"].items() if isinstance(value, list)}
+    w = AttentionWeights(**t, **{k: TOY["weights"][k] for k in ("eps", "num_heads", "num_kv_heads", "head_dim")})
+    expected = torch.tensor(TOY["whole_prefill"])
+    x, cos, sin = (torch.tensor(TOY[k]) for k in ("x", "cos", "sin"))
+    return Case(w, x, cos, sin, expected, keys=None, values=None)
+
+
+def feed(impl, case: Case, sizes: list[int], dtype_tol) -> object:
+    """Feed the tokens in calls of `sizes` tokens through one cache; check every call's rows and the
+    cache after it. Returns the cache."""
+    kv_cache = impl.KVCache()
+    start = 0
+    for n, size in enumerate(sizes, 1):
+        out = impl.attention_forward(*case.rows(start, start + size), kv_cache)
+        what = f"call {n} of {len(sizes)} (tokens {start}..{start + size - 1}, past {start}): output rows"
+        expect_close(out, case.expected[start : start + size], dtype_tol, what)
+        start += size
+        expect_cache(kv_cache, case, start, n)
+    return kv_cache
+
+
+def expect_cache(kv_cache, case: Case, held: int, calls: int) -> None:
+    try:
+        length = len(kv_cache)
+    except Exception as error:  # noqa: BLE001 - KVCache is the learner's file too
+        raise LearnerError(f"len(cache) raised {type(error).__name__}: {error}") from None
+    if length != held:
+        raise Mismatch(f"after call {calls}: len(cache) is {length}, expected {held} tokens")
+    KVH, D = case.w.num_kv_heads, case.w.head_dim
+    for name in ("k", "v"):
+        shapes = [list(chunk.shape) for chunk in getattr(kv_cache, name)]
+        if len(shapes) != calls or any(s[1:] != [KVH, D] for s in shapes):
+            raise Mismatch(f"after call {calls}: cache.{name} chunk shapes {shapes}, expected {calls} chunks of "
+                           f"[t, KVH={KVH}, D={D}]")
+    if case.keys is None:
+        return
+    tol = tolerance("elementwise", case.x.dtype)
+    expect_close(torch.cat(kv_cache.k), case.keys[:held], tol, f"after call {calls}: cache keys (k_norm, then RoPE)")
+    expect_close(torch.cat(kv_cache.v), case.values[:held], tol, f"after call {calls}: cache values (raw v)")
+
+
+def attention_tol(dtype):
+    return tolerance("attention", dtype)
+
+
+def test_toy_whole_prefill(impl):
+    """the book's toy: one prefill of 3 tokens gives the page's rows"""
+    case = toy_case()
+    out = impl.attention_forward(*case.rows(0, 3))
+    expect_close(out, case.expected, tolerance("toy", torch.float32), "output (no cache)")
+
+
+def test_toy_two_calls(impl):
+    """the book's toy: calls of 2 then 1 tokens give the same rows, and the cache grows 2 -> 3"""
+    sizes = TOY["split"]
+    feed(impl, toy_case(), sizes, tolerance("toy", torch.float32))
+
+
+@pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES.keys())
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_prefill_matches_hf(impl, seed, gen, layout, dtype):
+    """one prefill without a cache matches HF Qwen3Attention (eager)"""
+    S = int(torch.randint(5, 14, (), generator=gen))
+    case = hf_case(seed, layout, dtype, S)
+    out = impl.attention_forward(*case.rows(0, S))
+    expect_close(out, case.expected, attention_tol(dtype), f"output ({S} tokens, no cache)")
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_prefill_into_empty_cache(impl, seed, layout):
+    """one prefill into an empty cache matches HF, and the cache holds HF's keys and values"""
+    case = hf_case(seed, layout, torch.float32, 9)
+    feed(impl, case, [9], attention_tol(torch.float32))
+
+
+SPLITS = {"4+7": [4, 7], "1+10": [1, 10], "3+3+5": [3, 3, 5], "6+5": [6, 5], "2+2+2+2+3": [2, 2, 2, 2, 3]}
+
+
+@pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES.keys())
+@pytest.mark.parametrize("split", SPLITS)
+def test_chunked_prefill_matches_hf(impl, seed, split, dtype):
+    """a prefill of 11 tokens in chunks gives HF's whole-prefill rows, with the cache right after each"""
+    layout = list(LAYOUTS)[list(SPLITS).index(split) % len(LAYOUTS)]
+    feed(impl, hf_case(seed, layout, dtype, 11), SPLITS[split], attention_tol(dtype))
+
+
+@pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES.keys())
+@pytest.mark.parametrize("layout", ["H8-KVH2-D8", "H6-KVH3-D16"])
+def test_prefill_then_decode_matches_hf(impl, seed, layout, dtype):
+    """a prefill of 5 then 7 single-token decode steps gives HF's whole-prefill rows"""
+    feed(impl, hf_case(seed, layout, dtype, 12), [5] + [1] * 7, attention_tol(dtype))
+
+
+def test_chunked_equals_whole_exactly(impl, seed):
+    """your own whole prefill, chunks (4 + 7) and prefill + decode (5 + 6 x 1) agree to fp32 precision"""
+    case = hf_case(seed, "H4-KVH2-D16", torch.float32, 11)
+    whole = impl.attention_forward(*case.rows(0, 11))
+    tol = tolerance("elementwise", torch.float32)
+    for sizes in ([4, 7], [5] + [1] * 6):
+        kv_cache, start, rows = impl.KVCache(), 0, []
+        for size in sizes:
+            rows.append(impl.attention_forward(*case.rows(start, start + size), kv_cache))
+            start += size
+        expect_close(torch.cat(rows), whole, tol, f"calls of {'+'.join(map(str, sizes))} vs your one prefill")
