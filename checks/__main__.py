@@ -64,10 +64,9 @@ def run(selected, args) -> int:
         os.environ.setdefault("TRITON_INTERPRET", "1")
     import pytest
 
+    from checks.conftest import GROUPS
     from checks.harness.loader import LoadError, named
     from checks.harness.report import Reporter, to_json
-
-    from checks.conftest import GROUPS
 
     impls = args.impl or ["mine"]
     for label in impls:

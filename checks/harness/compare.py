@@ -36,13 +36,14 @@ TOLERANCES: dict[tuple[str, torch.dtype], Tolerance] = {
     # another order, or once: 4u covers the worst pair.
     ("elementwise", torch.float16): Tolerance(rtol=2**-9, atol=2**-9),
     ("elementwise", torch.bfloat16): Tolerance(rtol=2**-6, atol=2**-6),
-    # Attention chains three matmuls, a softmax and o_proj. In fp32 the orders of summation differ by
-    # ~1e-6 relative; 2e-5 still rejects every mistake in the catalogue (the self-tests prove it).
+    # Attention (expected values: HF in float64 on the learner's very inputs). It chains projections,
+    # QK-norm, RoPE, a softmax and o_proj. In fp32 orders of summation differ by ~1e-6 relative; 2e-5
+    # still rejects every mistake in the catalogue (the self-tests prove it).
     ("attention", torch.float32): Tolerance(rtol=2e-5, atol=2e-5),
-    # bf16: Hugging Face's eager path rounds QK^T to bf16 before the softmax (logit error up to u·|s|,
-    # |s| up to ~sqrt(D)) and rounds probabilities and P@V again; a learner who keeps scores in fp32
-    # (the reference) differs from it by ~1-2% of rms. Mistakes are told apart by the fp32 cases.
-    ("attention", torch.bfloat16): Tolerance(rtol=2**-5, atol=2**-5),
+    # bf16: Hugging Face's own eager path rounds QK^T to bf16 before the softmax (logit error ~u·|s|,
+    # |s| up to ~sqrt(D)) and rounds the probabilities and P@V again: measured up to 2.6% of rms
+    # from the float64 truth, i.e. under half of 2^-4. Mistakes are told apart by the fp32 cases.
+    ("attention", torch.bfloat16): Tolerance(rtol=2**-4, atol=2**-4),
 }
 
 

@@ -103,43 +103,73 @@ class Reporter:
 
 ICONS = {"passed": "[green]✓[/]", "failed": "[red]✗[/]", "not started": "[yellow]·[/]",
          "skipped": "[blue]-[/]", "kit error": "[magenta]![/]"}
+WORST_FIRST = ("kit error", "failed", "not started", "skipped", "passed")
+SHOWN_CASES = 2  # failing cases listed per check; the rest are counted
 
 
 def render(results: list[Result], seed: int, seconds: float, file=None) -> None:
     from rich.console import Console
     from rich.markup import escape
+    from rich.padding import Padding
 
-    console = Console(file=file or sys.stdout, highlight=False, soft_wrap=False)
+    out = file or sys.stdout
+    console = Console(file=out, highlight=False, width=None if out.isatty() else 110)
+
+    def indented(text: str, left: int = 6) -> None:
+        console.print(Padding(text, (0, 0, 0, left), expand=False))
+
     by_module: dict[tuple[str, str], list[Result]] = {}
     for r in results:
         by_module.setdefault((r.module, r.impl), []).append(r)
     for (stem, label), rows in by_module.items():
         module = find(stem)
+        name = module.id if module else stem
         path = f"{label}/{stem}.py" if label in ("mine", "solutions") else f"{label} ({stem}.py)"
         console.print()
-        console.print(f"[bold]KV Lab · {module.id if module else stem} · {escape(module.title if module else '')}[/]")
+        console.print(f"[bold]KV Lab · {name} · {escape(module.title if module else stem)}[/]")
         console.print(f"[dim]checking {escape(path)} · seed {seed} · verified on {rows[0].verified_on}[/]")
-        width = max(len(r.check) for r in rows)
+        console.print()
+        by_check: dict[str, list[Result]] = {}
         for r in rows:
-            case = f" [dim]\\[{escape(r.case)}][/]" if r.case else ""
-            console.print(f" {ICONS[r.status]} {r.status:<11} {escape(r.check):<{width}}{case}")
-            if r.status in ("failed", "kit error", "skipped") and r.reason:
-                seed_note = f" · case seed {r.seed}" if r.status == "failed" else ""
-                console.print(f"{'':15}[dim]{escape(r.reason)}{seed_note}[/]")
+            by_check.setdefault(r.check, []).append(r)
+        for check, cases in by_check.items():
+            status = next(s for s in WORST_FIRST if any(c.status == s for c in cases))
+            bad = [c for c in cases if c.status == status] if status != "passed" else []
+            count = f"  [dim]{len(bad)} of {len(cases)} cases[/]" if len(cases) > 1 and bad else ""
+            if len(cases) > 1 and not bad:
+                count = f"  [dim]{len(cases)} cases[/]"
+            console.print(f" {ICONS[status]}  {escape(check)}{count}")
+            if status in ("not started", "passed"):
+                continue
+            for c in bad[:SHOWN_CASES]:
+                case = f"[cyan]{escape(c.case)}[/] " if c.case else ""
+                seed_note = f" [dim]· case seed {c.seed}[/]" if c.status == "failed" else ""
+                named = f" [yellow]→ looks like {', '.join(c.mistakes)}[/]" if c.mistakes else ""
+                indented(f"{case}{escape(c.reason)}{seed_note}{named}")
+            if len(bad) > SHOWN_CASES:
+                indented(f"[dim]… and {len(bad) - SHOWN_CASES} more[/]")
+        matched: dict[str, int] = {}
+        for r in rows:
             for mistake_id in r.mistakes:
+                matched[mistake_id] = matched.get(mistake_id, 0) + 1
+        if matched:
+            console.print()
+            console.print("[bold yellow]Your output matches a known mistake:[/]")
+            for mistake_id, n in sorted(matched.items(), key=lambda kv: -kv[1]):
                 mistake = catalogue(stem).mistake(mistake_id)
-                console.print(f"{'':15}[yellow]looks like the known mistake[/] [bold]{mistake_id}[/]: {escape(mistake.title)}")
-                console.print(f"{'':15}{escape(mistake.hint)}")
-                console.print(f"{'':15}[dim]more in exercises/{stem}.md › Pitfalls and Hints L2[/]")
-        counts = {s: sum(r.status == s for r in rows) for s in ICONS}
+                indented(f"[bold]{mistake_id}[/] — {escape(mistake.title)} [dim]({n} checks)[/]", 2)
+                indented(escape(mistake.hint), 4)
+            indented(f"[dim]More in exercises/{stem}.md › Pitfalls and Hints L2.[/]", 2)
+        counts = {s: sum(r.status == s for r in rows) for s in WORST_FIRST}
         summary = " · ".join(f"{n} {s}" for s, n in counts.items() if n)
-        console.print(f"[bold]{module.id if module else stem}: {summary}[/] [dim]({len(rows)} checks)[/]")
+        console.print()
+        console.print(f"[bold]{name}: {summary}[/] [dim]({len(rows)} checks)[/]")
         if counts["not started"] == len(rows):
             console.print(f"Nothing written yet: open {escape(path)}, read the docstring, and fill in the body. "
                           f"The exercise page is exercises/{stem}.md.")
         elif counts["passed"] == len(rows):
             console.print("[green]All checks pass.[/]")
-    console.print(f"[dim]{seconds:.1f} s · replay this run exactly with --seed {seed}[/]")
+    console.print(f"[dim]{seconds:.1f} s · replay this run exactly: add --seed {seed}[/]")
 
 
 def to_json(results: list[Result], seed: int) -> dict:

@@ -1,0 +1,98 @@
+"""The checks accept the reference and every accepted variant, and reject every catalogued mistake.
+
+This is what makes a verdict trustworthy: "passed" cannot come from a known mistake (each is a mutant
+of the reference that some check rejects, by name), and "failed" cannot come from a correct rounding
+order (each variant passes under two seeds).
+"""
+
+import pytest
+
+from checks.harness.loader import display
+from checks.harness.mistakes import catalogue
+from checks.harness.modules import modules
+from checks.selftests.conftest import SEEDS
+
+STEMS = [m.stem for m in modules()]
+MISTAKES = [(stem, m) for stem in STEMS for m in catalogue(stem).mistakes]
+VARIANTS = [(stem, v) for stem in STEMS for v in catalogue(stem).variants]
+BROKEN = [(stem, b) for stem in STEMS for b in catalogue(stem).broken]
+
+
+def label(stem, entry) -> str:
+    return catalogue(stem).implementation(entry).label
+
+
+def ids(pairs):
+    return [f"{stem.split('_')[0]}-{entry.id}" for stem, entry in pairs]
+
+
+def test_every_module_has_a_catalogue():
+    for stem in STEMS:
+        assert catalogue(stem).mistakes, f"{stem}: no mistakes catalogued"
+        assert catalogue(stem).broken, f"{stem}: no broken samples"
+
+
+@pytest.mark.parametrize("stem, entry", MISTAKES + VARIANTS + BROKEN, ids=ids(MISTAKES + VARIANTS + BROKEN))
+def test_patch_applies_to_the_reference(stem, entry):
+    """A patch that no longer matches solutions/ must fail loudly, not leave a silent non-mutant."""
+    source = (catalogue(stem).implementation(entry).path(stem)).read_text()
+    assert entry.patch(source) != source
+
+
+def test_reference_passes_everything(full_run, second_seed_run):
+    for run in (full_run, second_seed_run):
+        for stem in STEMS:
+            rows = run.of("solutions", stem)
+            assert rows, f"no results for solutions/{stem}.py"
+            failing = [f"{r['check']} [{r['case']}]: {r['reason']}" for r in rows if r["status"] != "passed"]
+            assert not failing, "\n".join(failing)
+
+
+def test_untouched_stubs_report_not_started(full_run, stubs_folder):
+    for stem in STEMS:
+        rows = full_run.of(display(stubs_folder), stem)
+        assert rows
+        assert {r["status"] for r in rows} == {"not started"}, [r["reason"] for r in rows if r["status"] != "not started"]
+        assert all("NotImplementedError" in r["reason"] for r in rows)
+
+
+@pytest.mark.parametrize("stem, mistake", MISTAKES, ids=ids(MISTAKES))
+@pytest.mark.parametrize("seed", SEEDS)
+def test_mistake_is_rejected_and_named(full_run, second_seed_run, stem, mistake, seed):
+    run = full_run if seed == SEEDS[0] else second_seed_run
+    rows = run.of(label(stem, mistake), stem)
+    assert rows, f"the mutant {mistake.id} was not run"
+    assert any(r["status"] == "failed" for r in rows), f"seed {seed}: no check rejects the mistake {mistake.id}"
+    assert any(mistake.id in r["mistakes"] for r in rows), f"seed {seed}: {mistake.id} is rejected but never named"
+    assert not [r for r in rows if r["status"] == "kit error"], "a check crashed on this mutant"
+
+
+@pytest.mark.parametrize("stem, variant", VARIANTS, ids=ids(VARIANTS))
+@pytest.mark.parametrize("seed", SEEDS)
+def test_variant_passes(full_run, second_seed_run, stem, variant, seed):
+    run = full_run if seed == SEEDS[0] else second_seed_run
+    rows = run.of(label(stem, variant), stem)
+    assert rows
+    failing = [f"{r['check']} [{r['case']}]: {r['reason']}" for r in rows if r["status"] != "passed"]
+    assert not failing, f"a correct variant ({variant.title}) fails — a tolerance is too tight:\n" + "\n".join(failing)
+
+
+@pytest.mark.parametrize("stem, broken", BROKEN, ids=ids(BROKEN))
+def test_broken_code_gets_a_one_line_reason(full_run, stem, broken):
+    rows = full_run.of(label(stem, broken), stem)
+    failed = [r for r in rows if r["status"] != "passed"]
+    assert failed, f"nothing rejects the broken sample {broken.id}"
+    assert {r["status"] for r in failed} == {"failed"}, {r["status"] for r in failed}
+    assert any(broken.expect in r["reason"] for r in failed), [r["reason"] for r in failed][:3]
+    for r in failed:
+        assert "\n" not in r["reason"] and len(r["reason"]) < 400, r["reason"]
+
+
+def test_report_never_shows_a_traceback(full_run):
+    for marker in ("Traceback", "_pytest", 'File "'):
+        assert marker not in full_run.output, f"the rendered report contains {marker!r}"
+
+
+def test_no_check_crashes(full_run):
+    crashed = [f"{r['impl']} {r['check']}: {r['reason']}" for r in full_run.results if r["status"] == "kit error"]
+    assert not crashed, "\n".join(crashed[:10])

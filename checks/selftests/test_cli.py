@@ -1,0 +1,78 @@
+"""`./check.sh` as learners and instructors type it."""
+
+import os
+import shutil
+import subprocess
+import sys
+
+from checks.harness.loader import ROOT
+from checks.harness.modules import modules
+from checks.selftests.conftest import shipped
+
+
+def check_sh(*args, kit=ROOT, cwd=None):
+    env = {**os.environ, "KVLAB_PYTHON": sys.executable, "COLUMNS": "120"}
+    done = subprocess.run([str(kit / "check.sh"), *args], cwd=cwd or kit, env=env, capture_output=True, text=True,
+                          timeout=600)
+    return done.returncode, done.stdout + done.stderr
+
+
+def with_shipped_stubs(kit):
+    for m in modules():
+        (kit / "mine" / f"{m.stem}.py").write_text(shipped(f"mine/{m.stem}.py"))
+
+
+def test_first_command_on_untouched_stub(kit_copy):
+    with_shipped_stubs(kit_copy)
+    code, out = check_sh("m02", kit=kit_copy)
+    assert code == 1
+    assert "not started" in out and "mine/m02_thinker_attention.py" in out and "Nothing written yet" in out
+    assert "Traceback" not in out
+
+
+def test_reference_passes_through_check_sh():
+    code, out = check_sh("m02", "--impl", "solutions")
+    assert code == 0, out
+    assert "All checks pass" in out
+
+
+def test_list_shows_every_module():
+    code, out = check_sh("list")
+    assert code == 0
+    for m in modules():
+        assert m.id in out and m.title[:20] in out
+
+
+def test_unknown_module_and_missing_folder_are_usage_errors():
+    assert check_sh("m99")[0] == 2
+    assert check_sh("m01", "--impl", "no/such/folder")[0] == 2
+
+
+def test_student_folder_is_checked_in_isolation_and_left_clean(tmp_path):
+    student = tmp_path / "student"
+    shutil.copytree(ROOT / "solutions", student)
+    source = (student / "m01_rmsnorm.py").read_text()
+    (student / "m01_rmsnorm.py").write_text(source.replace("keepdim=True)", "keepdim=True", 1))
+    code, out = check_sh("m01", "m02", "--impl", str(student), cwd=tmp_path)
+    assert code == 1
+    assert "SyntaxError" in out and "m01_rmsnorm.py line" in out
+    assert "m02: 29 passed" in out or "m02:" in out and "failed" not in out.split("m02:")[1].splitlines()[0]
+    assert sorted(p.name for p in student.iterdir()) == sorted(p.name for p in (ROOT / "solutions").iterdir()
+                                                               if p.suffix == ".py")
+
+
+def test_reset_backs_up_first(kit_copy):
+    work = "def rms_norm(x, weight, eps):\n    return x  # my attempt\n"
+    (kit_copy / "mine" / "m01_rmsnorm.py").write_text(work)
+    code, out = check_sh("reset", "m01", kit=kit_copy)
+    assert code == 0, out
+    backups = list((kit_copy / ".kvlab" / "backups").glob("m01_rmsnorm.*.py"))
+    assert [b.read_text() for b in backups] == [work]
+    assert (kit_copy / "mine" / "m01_rmsnorm.py").read_text() == shipped("mine/m01_rmsnorm.py")
+
+
+def test_progress_is_remembered_for_list(kit_copy):
+    with_shipped_stubs(kit_copy)
+    check_sh("m01", kit=kit_copy)
+    code, out = check_sh("list", kit=kit_copy)
+    assert code == 0 and "not started" in out
