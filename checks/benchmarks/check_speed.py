@@ -1,0 +1,44 @@
+"""How long `./check.sh m02` takes, against the floor it cannot beat: importing torch and HF's Qwen3.
+
+Each command runs as a cold process, several times; the report prints medians and the difference.
+The target is a difference of about 1.5 s or less (the checks themselves, pytest and the report).
+
+    python -m checks.benchmarks.check_speed [--runs 7] [--module m02]
+"""
+
+import argparse
+import statistics
+import subprocess
+import sys
+import time
+
+from checks.harness.loader import ROOT
+
+FLOOR = "import torch; from transformers.models.qwen3 import modeling_qwen3"
+
+
+def seconds(command: list[str]) -> float:
+    start = time.perf_counter()
+    subprocess.run(command, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, check=False)
+    return time.perf_counter() - start
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--runs", type=int, default=7)
+    parser.add_argument("--module", default="m02")
+    args = parser.parse_args()
+    floor_cmd = [sys.executable, "-c", FLOOR]
+    check_cmd = [sys.executable, "-m", "checks", args.module, "--impl", "solutions"]
+    floor, check = [], []
+    for _ in range(args.runs):  # interleaved, so a busy moment costs both sides alike
+        floor.append(seconds(floor_cmd))
+        check.append(seconds(check_cmd))
+    f, c = statistics.median(floor), statistics.median(check)
+    print(f"import torch + HF Qwen3 modeling   median {f:5.2f} s  (min {min(floor):.2f}, max {max(floor):.2f})")
+    print(f"./check.sh {args.module} --impl solutions   median {c:5.2f} s  (min {min(check):.2f}, max {max(check):.2f})")
+    print(f"difference                         median {c - f:5.2f} s  over {args.runs} cold runs each")
+
+
+if __name__ == "__main__":
+    main()
