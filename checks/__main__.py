@@ -25,7 +25,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="./check.sh", description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter,
                                      epilog=__doc__.split("\n\n", 1)[1])
-    parser.add_argument("target", nargs="+", metavar="MODULE", help="module ids (m01 m02 ...), all, list, or reset MODULE")
+    parser.add_argument("target", nargs="+", metavar="MODULE",
+                        help="module ids (m01 m02 ...), all, list, or reset MODULE")
     parser.add_argument("--impl", action="append", metavar="IMPL",
                         help="mine (default), solutions, a folder with mine/'s file names; or mutants, variants, "
                              "broken: the kit's catalogue of known mistakes, accepted variants and broken code")
@@ -86,7 +87,7 @@ def run(selected, args) -> int:
     if args.k:
         pytest_args += ["-k", args.k]
     if not args.pytest:
-        pytest_args += ["-p", "no:terminal"]
+        pytest_args += ["-p", "no:terminal", "-s"]  # -s: a learner's print() shows up while debugging
     reporter = Reporter(None, render=True)
     code = pytest.main(pytest_args, plugins=[_Attach(reporter)])
     results = reporter.results

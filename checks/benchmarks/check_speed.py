@@ -35,9 +35,10 @@ def main() -> None:
         floor.append(seconds(floor_cmd))
         check.append(seconds(check_cmd))
     f, c = statistics.median(floor), statistics.median(check)
-    print(f"import torch + HF Qwen3 modeling   median {f:5.2f} s  (min {min(floor):.2f}, max {max(floor):.2f})")
-    print(f"./check.sh {args.module} --impl solutions   median {c:5.2f} s  (min {min(check):.2f}, max {max(check):.2f})")
-    print(f"difference                         median {c - f:5.2f} s  over {args.runs} cold runs each")
+    rows = (("import torch + HF Qwen3 modeling", floor), (f"./check.sh {args.module} --impl solutions", check))
+    for name, times in rows:
+        print(f"{name:34} median {statistics.median(times):5.2f} s  (min {min(times):.2f}, max {max(times):.2f})")
+    print(f"{'difference':34} median {c - f:5.2f} s  over {args.runs} cold runs each")
 
 
 if __name__ == "__main__":

@@ -65,7 +65,8 @@ class Reporter:
         from checks.conftest import case_id, case_seed, module_stem  # conftest imports this module
 
         stem = module_stem(item.module)
-        impl = item.callspec.params["impl"].label if hasattr(item, "callspec") and "impl" in item.callspec.params else ""
+        params = item.callspec.params if hasattr(item, "callspec") else {}
+        impl = params["impl"].label if "impl" in params else ""
         result = Result(stem, check_title(item), case_id(item), impl, "passed", seed=case_seed(item),
                         seconds=round(call.duration, 3), verified_on=verified_on(item), nodeid=item.nodeid)
         if report.skipped:

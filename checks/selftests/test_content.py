@@ -85,7 +85,8 @@ def toy_attention(module, sizes):
     from types import SimpleNamespace
 
     toy = load_toy("m02_thinker_attention")
-    w = SimpleNamespace(**{k: torch.tensor(v).double() if isinstance(v, list) else v for k, v in toy["weights"].items()})
+    weights = toy["weights"].items()
+    w = SimpleNamespace(**{k: torch.tensor(v).double() if isinstance(v, list) else v for k, v in weights})
     x, cos, sin = (torch.tensor(toy[k]).double() for k in ("x", "cos", "sin"))
     if sizes == [len(x)]:
         return module.attention_forward(w, x, cos, sin)
