@@ -25,7 +25,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="./check.sh", description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter,
                                      epilog=__doc__.split("\n\n", 1)[1])
-    parser.add_argument("target", nargs="+", metavar="MODULE",
+    parser.add_argument("target", nargs="*", metavar="MODULE",
                         help="module ids (m01 m02 ...), all, list, or reset MODULE")
     parser.add_argument("--impl", action="append", metavar="IMPL",
                         help="mine (default), solutions, a folder with mine/'s file names; or mutants, variants, "
@@ -38,6 +38,11 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     from checks.harness import modules as registry
+
+    if not args.target:
+        parser.print_help()
+        print()
+        return list_modules(registry.modules()) or 2
 
     if args.target == ["list"]:
         return list_modules(registry.modules())

@@ -37,7 +37,7 @@ class LearnerError(Exception):
         self.identifiable = identifiable
 
 
-class _TimeLimit(BaseException):  # BaseException: a learner's `except Exception` cannot swallow it
+class TimeLimitReached(BaseException):  # BaseException: a learner's `except Exception` cannot swallow it
     pass
 
 
@@ -76,7 +76,7 @@ _hung: set[tuple[str, str]] = set()  # (implementation label, function): a hang 
 
 def run_with_time_limit(fn: Callable, seconds: float, *args, **kwargs):
     def on_alarm(signum, frame):
-        raise _TimeLimit
+        raise TimeLimitReached
 
     previous = signal.signal(signal.SIGALRM, on_alarm)
     signal.setitimer(signal.ITIMER_REAL, seconds)
@@ -117,7 +117,7 @@ class Guarded:
         def make(*args, **kwargs):
             try:
                 obj = cls(*args, **kwargs)
-            except Exception as error:  # noqa: BLE001
+            except (Exception, SystemExit) as error:  # noqa: BLE001
                 raise LearnerError(f"creating `{name}` raised {describe(error, self.impl, self.stem)}")
             self.made.add(id(obj))
             self.events.append(New(name, obj))
@@ -140,14 +140,14 @@ class Guarded:
         recorded_kwargs = {k: self._snapshot(v) for k, v in kwargs.items()}
         try:
             result = run_with_time_limit(fn, self.time_limit, *args, **kwargs)
-        except _TimeLimit:
+        except TimeLimitReached:
             _hung.add((self.impl.label, name))
             raise LearnerError(
                 f"`{name}` did not return within {self.time_limit:g} s (an endless loop?)"
             ) from None
         except NotImplementedError:
             raise NotStarted(f"{self.path}: `{name}` raises NotImplementedError") from None
-        except Exception as error:  # noqa: BLE001
+        except (Exception, SystemExit) as error:  # noqa: BLE001 - exit() too: the other checks must still run
             raise LearnerError(f"`{name}` raised {describe(error, self.impl, self.stem)}") from None
         states = {id(v): leaves(v) for v in names.values() if id(v) in self.made}
         changed = changed_input(before, names)

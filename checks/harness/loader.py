@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
+IMPORT_TIME_LIMIT = 30  # seconds; importing torch inside a learner's file is already paid for
 
 
 class LoadError(Exception):
@@ -73,9 +74,15 @@ class Implementation:
         module.__file__ = str(path)
         module.__package__ = package.__name__
         sys.modules[name] = module
+        from .guard import TimeLimitReached, run_with_time_limit
+
         try:
-            exec(code, module.__dict__)
-        except Exception as error:  # noqa: BLE001 - any import-time failure is the learner's to see
+            run_with_time_limit(exec, IMPORT_TIME_LIMIT, code, module.__dict__)
+        except TimeLimitReached:
+            del sys.modules[name]
+            raise LoadError(f"{display(path)}: importing it took over {IMPORT_TIME_LIMIT} s "
+                            "(code at the top level that never ends?)") from None
+        except (Exception, SystemExit) as error:  # noqa: BLE001 - any import-time failure is the learner's to see
             del sys.modules[name]
             line = last_line_in(error.__traceback__, str(path))
             where = f" line {line}" if line else ""

@@ -94,5 +94,6 @@ BROKEN = [
     Broken("raises", replace("    x32 = x.to(torch.float32)", "    x32 = x.to(torch.float32)\n    raise ValueError('shapes do not match')"), "ValueError: shapes do not match"),
     Broken("wrong-shape", replace("return weight * normed.to(x.dtype)", "return (weight * normed.to(x.dtype)).flatten()"), "returned shape"),
     Broken("nan", replace("return weight * normed.to(x.dtype)", "return weight * normed.to(x.dtype) * float('nan')"), "NaN"),
+    Broken("calls-exit", replace("    x32 = x.to(torch.float32)", "    exit(1)"), "SystemExit"),
     Broken("hang", replace("    x32 = x.to(torch.float32)", "    while True:\n        pass\n    x32 = x.to(torch.float32)"), "did not return within"),
 ]
