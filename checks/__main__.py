@@ -148,13 +148,13 @@ def list_modules(found) -> int:
     from rich.console import Console
     from rich.table import Table
 
-    table = Table(title="KV Lab modules", title_justify="left", show_edge=False, pad_edge=False)
-    for column in ("id", "title", "track", "minutes", "difficulty", "your status", "file"):
-        table.add_column(column)
+    table = Table(title="KV Lab modules (your files are mine/<id>_….py)", title_justify="left", show_edge=False,
+                  pad_edge=False)
+    for column in ("id", "title", "track", "min", "difficulty", "your status"):
+        table.add_column(column, no_wrap=column != "title")
     for m in found:
-        table.add_row(m.id, m.title, m.track, str(m.minutes or ""), m.difficulty, status_text(state.get(m.stem)),
-                      f"mine/{m.stem}.py")
-    Console(highlight=False).print(table)
+        table.add_row(m.id, m.title, m.track, str(m.minutes or ""), m.difficulty, status_text(state.get(m.stem)))
+    Console(highlight=False, width=None if sys.stdout.isatty() else 110).print(table)
     print("\nCheck one with ./check.sh <id>, e.g. ./check.sh m02")
     return 0
 

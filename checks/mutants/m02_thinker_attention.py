@@ -174,6 +174,24 @@ VARIANTS = [
     ),
 ]
 
+VARIANTS.append(
+    Variant(
+        "sdpa",
+        "torch's scaled_dot_product_attention in the model dtype, with a boolean mask from absolute positions",
+        chain(
+            replace("    " + _SCORES + "  # [H, T, S]\n", ""),
+            replace(
+                '    scores = scores.masked_fill(key_pos > query_pos, float("-inf"))  # [T, S] mask broadcasts over H\n'
+                "    probs = scores.softmax(dim=-1)  # over keys; every row sees at least key 0\n"
+                '    out = torch.einsum("hts,shd->thd", probs, values.float()).to(x.dtype)  # [T, H, D]\n',
+                "    out = torch.nn.functional.scaled_dot_product_attention(\n"
+                "        q.transpose(0, 1), keys.transpose(0, 1), values.transpose(0, 1), attn_mask=key_pos <= query_pos\n"
+                "    ).transpose(0, 1)\n",
+            ),
+        ),
+    )
+)
+
 BROKEN = [
     Broken("syntax-error", replace("    group = H // KVH", "    group = H // KVH)"), "SyntaxError"),
     Broken("missing-function", replace("def attention_forward(", "def attention("), "has no `attention_forward`"),
