@@ -5,6 +5,7 @@ Run through `./check.sh` (which adds the report); plain pytest works too:
 """
 
 import random
+import sys
 import zlib
 
 import pytest
@@ -14,6 +15,8 @@ from checks.harness.guard import Guarded
 from checks.harness.loader import Implementation, named
 from checks.harness.mistakes import catalogue
 from checks.harness.report import Reporter
+
+sys.dont_write_bytecode = True  # sibling imports in a checked folder must not leave __pycache__ there
 
 # Labels --impl accepts besides folders: the catalogue's mutants, variants and broken samples.
 GROUPS = {"mutants": "mistakes", "variants": "variants", "broken": "broken"}
