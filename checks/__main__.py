@@ -1,10 +1,11 @@
-"""`./check.sh`: check a module, list the modules, or reset a file to its stub.
+"""`./check.sh`: check a module, list the modules, reset a file to its stub, or build the book.
 
     ./check.sh m02                      check mine/m02_thinker_attention.py
     ./check.sh m02 --impl solutions     check the reference (or --impl DIR: a student's folder)
     ./check.sh all --json results.json  check every module, write every result to a file
     ./check.sh list                     modules, titles and the status of your last check
     ./check.sh reset m02                back up mine/m02_... and put the stub back
+    ./check.sh book                     build the book (a page per module, with your progress) in .kvlab/book/
 """
 
 import argparse
@@ -16,6 +17,8 @@ import time
 from pathlib import Path
 
 sys.dont_write_bytecode = True  # never leave __pycache__ in a learner's or student's folder
+# The checks' tensors are tiny: one thread is faster than two spin-waiting ones, and far faster on a busy box.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 ROOT = Path(__file__).resolve().parents[1]
 STATE = ROOT / ".kvlab"  # the learner's last results (read by `list` and the book) and reset backups
@@ -26,7 +29,7 @@ def main(argv: list[str] | None = None) -> int:
                                      formatter_class=argparse.RawDescriptionHelpFormatter,
                                      epilog=__doc__.split("\n\n", 1)[1])
     parser.add_argument("target", nargs="*", metavar="MODULE",
-                        help="module ids (m01 m02 ...), all, list, or reset MODULE")
+                        help="module ids (m01 m02 ...), all, list, book, or reset MODULE")
     parser.add_argument("--impl", action="append", metavar="IMPL",
                         help="mine (default), solutions, a folder with mine/'s file names; or mutants, variants, "
                              "broken: the kit's catalogue of known mistakes, accepted variants and broken code")
@@ -35,6 +38,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("-k", metavar="EXPR", help="only checks whose name matches EXPR (pytest -k)")
     parser.add_argument("--time-limit", type=float, default=10.0, help="seconds one call of your code may take")
     parser.add_argument("--pytest", action="store_true", help="show pytest's own output as well (for kit developers)")
+    parser.add_argument("--out", metavar="DIR", help="with book: the folder to write the book to (default .kvlab/book)")
     args = parser.parse_args(argv)
 
     from checks.harness import modules as registry
@@ -48,6 +52,10 @@ def main(argv: list[str] | None = None) -> int:
         return list_modules(registry.modules())
     if args.target[0] == "reset":
         return reset(args.target[1:], registry)
+    if args.target == ["book"]:
+        from book.build import main as build_book
+
+        return build_book(args.out)
     if args.target == ["all"]:
         selected = registry.modules()
     else:
@@ -56,7 +64,7 @@ def main(argv: list[str] | None = None) -> int:
             module = registry.find(name)
             if module is None:
                 known = ", ".join(m.id for m in registry.modules())
-                print(f"./check.sh: no module {name!r} (known: {known}, all, list, reset)", file=sys.stderr)
+                print(f"./check.sh: no module {name!r} (known: {known}, all, list, book, reset)", file=sys.stderr)
                 return 2
             selected.append(module)
     return run(selected, args)
@@ -115,6 +123,10 @@ class _Attach:
 
     @__import__("pytest").hookimpl(tryfirst=True)
     def pytest_configure(self, config):
+        if self.reporter.render and config.pluginmanager.get_plugin("terminalreporter") is None:
+            # the report gives one-line reasons: pytest need not format a traceback for every failing case
+            # (that formatting is half the time of a sweep over the mutants)
+            config.option.tbstyle = "no"
         self.reporter.config = config
         config.pluginmanager.register(self.reporter, "kvlab-reporter")
 

@@ -6,20 +6,27 @@ and gets a wrapper that
   a missing name or a file that does not import into a `LearnerError` with a one-line reason;
 - checks the returned value against the module's contract (type, shape, dtype, device, finite);
 - checks that no input was changed in place (tensors, tensors held by argument objects, and chunks
-  already in a cache; a cache may grow);
+  already in a cache; a cache may grow), except the arguments a `Writes` contract names;
 - records the call so that, when a check fails, the same calls can be replayed on every mutant of the
   reference to name the mistake the learner's output matches (see `mistakes.py`).
+
+A class the learner writes (one not in `stubs.GIVEN_CLASSES`, e.g. p01's `BlockManager`) is made through
+the same wrapper, and its objects come back as an `Instance`: each public method call is guarded and
+recorded like a function call (named `Class.method` in reasons), and attributes read through.
 """
 
 import inspect
 import signal
 import traceback
+from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 
-from .loader import Implementation, LoadError, last_line_in
+from .loader import Implementation, LoadError, display, last_line_in
+from .stubs import GIVEN_CLASSES
 
 
 class NotStarted(Exception):
@@ -55,20 +62,37 @@ class Returns:
         return cls(tuple(t.shape) if shape is None else tuple(shape), t.dtype, t.device, shape_text)
 
 
+class Writes:
+    """The contract of a function that writes its result into some of its arguments (a cache) and
+    returns nothing: those arguments may change in place, every other input must not.
+    `Writes(k_cache, v_cache)`: the argument objects themselves, so a renamed parameter still counts."""
+
+    def __init__(self, *arguments: torch.Tensor):
+        self.arguments = arguments
+
+    def includes(self, value) -> bool:
+        return any(value is argument for argument in self.arguments)
+
+
 @dataclass
 class Call:
-    name: str
+    name: str  # a function, or `Class.method`
     args: tuple
     kwargs: dict
     result: object
     states: dict  # id(object made by the learner's classes) -> its tensor leaves after the call
     changed: str | None  # the input the call changed in place (`sin`, `cache.k[0]`), if any
+    data: dict = field(default_factory=dict)  # id(object made by the learner's classes) -> its `plain` data after
+    written: dict = field(default_factory=dict)  # position (or keyword) of a `Writes` argument -> it after the call
+    owner: int | None = None  # for a method: id of the object it was called on
 
 
 @dataclass
 class New:
     name: str
     obj: object
+    args: tuple = ()
+    kwargs: dict = field(default_factory=dict)
 
 
 _hung: set[tuple[str, str]] = set()  # (implementation label, function): a hang is reported once
@@ -113,15 +137,23 @@ class Guarded:
             return self._caller(name, obj)
         return obj
 
+    def start_over(self) -> None:
+        """Forget the calls recorded so far: a property test's examples are independent, and only the
+        last one's calls (the shrunk failing example) are replayed to name a mistake."""
+        self.events.clear()
+
     def _maker(self, name: str, cls: type):
         def make(*args, **kwargs):
             try:
                 obj = cls(*args, **kwargs)
+            except NotImplementedError:
+                raise NotStarted(f"{self.path}: `{name}(...)` raises NotImplementedError") from None
             except (Exception, SystemExit) as error:  # noqa: BLE001
                 raise LearnerError(f"creating `{name}` raised {describe(error, self.impl, self.stem)}")
             self.made.add(id(obj))
-            self.events.append(New(name, obj))
-            return obj
+            recorded_kwargs = {k: self._snapshot(v) for k, v in kwargs.items()}
+            self.events.append(New(name, obj, tuple(self._snapshot(a) for a in args), recorded_kwargs))
+            return obj if name in GIVEN_CLASSES else Instance(self, name, obj)
 
         return make
 
@@ -131,11 +163,16 @@ class Guarded:
 
         return call
 
-    def call(self, name: str, fn: Callable, args: tuple, kwargs: dict):
+    def call(self, name: str, fn: Callable, args: tuple, kwargs: dict, owner: object = None):
         if (self.impl.label, name) in _hung:
             raise LearnerError(f"not run: `{name}` hung in an earlier check (time limit {self.time_limit:g} s)")
+        args = tuple(unwrapped(a) for a in args)
+        kwargs = {k: unwrapped(v) for k, v in kwargs.items()}
+        contract = self.contracts.get(name)
+        expected = None if contract is None else contract(*args, **kwargs)  # reads shapes and dtypes only
+        writes = expected if isinstance(expected, Writes) else Writes()
         names = argument_names(fn, args, kwargs)
-        before = {arg: leaves(value) for arg, value in names.items()}
+        before = {arg: leaves(value) for arg, value in names.items() if not writes.includes(value)}
         recorded_args = tuple(self._snapshot(a) for a in args)
         recorded_kwargs = {k: self._snapshot(v) for k, v in kwargs.items()}
         try:
@@ -145,26 +182,102 @@ class Guarded:
             raise LearnerError(
                 f"`{name}` did not return within {self.time_limit:g} s (an endless loop?)"
             ) from None
-        except NotImplementedError:
-            raise NotStarted(f"{self.path}: `{name}` raises NotImplementedError") from None
+        except NotImplementedError as error:
+            raise NotStarted(not_started_reason(error, self.impl, self.stem, name)) from None
         except (Exception, SystemExit) as error:  # noqa: BLE001 - exit() too: the other checks must still run
             raise LearnerError(f"`{name}` raised {describe(error, self.impl, self.stem)}") from None
-        states = {id(v): leaves(v) for v in names.values() if id(v) in self.made}
+        involved = [v for v in names.values() if id(v) in self.made] + ([owner] if owner is not None else [])
+        states = {id(v): leaves(v) for v in involved}
+        data = {id(v): plain(v) for v in involved}
+        written = {key: copy_with_layout(value) for key, value in [*enumerate(args), *kwargs.items()]
+                   if writes.includes(value)}
         changed = changed_input(before, names)
-        self.events.append(Call(name, recorded_args, recorded_kwargs, detach(result), states, changed))
+        self.events.append(Call(name, recorded_args, recorded_kwargs, detach(result), states, changed, data,
+                                written, None if owner is None else id(owner)))
         if changed is not None:
             raise LearnerError(f"`{name}` changed its input `{changed}` in place", identifiable=True)
-        contract = self.contracts.get(name)
-        if contract is not None:
-            problem = contract_problem(result, contract(*args, **kwargs))
+        if expected is not None and not isinstance(expected, Writes):
+            problem = contract_problem(result, expected)
             if problem:
                 raise LearnerError(f"`{name}` {problem}", identifiable=True)
         return result
 
     def _snapshot(self, value):
         if isinstance(value, torch.Tensor):
-            return value.detach().clone()
+            return copy_with_layout(value)
         return value  # objects the learner made are matched by identity; others are left untouched
+
+
+class Instance:
+    """An object of a class the learner writes, as the checks see it: public method calls go through
+    `Guarded.call` (named `Class.method`), and attributes read through to the object itself."""
+
+    def __init__(self, guarded: Guarded, class_name: str, obj: object):
+        self._guarded, self._class_name, self._obj = guarded, class_name, obj
+
+    def __getattr__(self, name: str):
+        try:
+            value = getattr(self._obj, name)
+        except Exception as error:  # noqa: BLE001 - a missing attribute is the learner's to see
+            raise LearnerError(f"`{self._class_name}` object has no `{name}`: the checks read it "
+                               f"({type(error).__name__})") from None
+        if name.startswith("_") or not inspect.ismethod(value):
+            return value
+        qualified = f"{self._class_name}.{name}"
+        return lambda *args, **kwargs: self._guarded.call(qualified, value, args, kwargs, owner=self._obj)
+
+    def __repr__(self) -> str:
+        return f"<{self._class_name} (guarded)>"
+
+
+def unwrapped(value):
+    """The learner's own object behind an `Instance` (learner code never sees the wrapper)."""
+    return value._obj if isinstance(value, Instance) else value
+
+
+def copy_with_layout(t: torch.Tensor) -> torch.Tensor:
+    """A copy that keeps `t`'s strides and storage offset, and whatever lies around it in its storage:
+    a replay must see a non-contiguous slice as a slice, and a write outside a view must land in a copy
+    of the buffer the check surrounded it with, not in foreign memory."""
+    t = t.detach()
+    storage = t.untyped_storage().clone()
+    return torch.empty(0, dtype=t.dtype, device=t.device).set_(storage, t.storage_offset(), t.size(), t.stride())
+
+
+def whole_storage(t: torch.Tensor) -> torch.Tensor:
+    """All of `t`'s storage as one flat tensor of its dtype (to compare what a write did around a view)."""
+    n = t.untyped_storage().nbytes() // t.element_size()
+    return torch.empty(0, dtype=t.dtype, device=t.device).set_(t.untyped_storage(), 0, (n,), (1,))
+
+
+_SKIP = object()  # a value `plain` leaves out (tensors, functions, ...)
+
+
+def plain(obj, depth: int = 1) -> dict:
+    """The public plain data of an object: numbers, strings, and lists, sets and dicts of them, and the
+    same of objects it holds, `depth` levels down. A replay compares it exactly (tensors go to `leaves`)."""
+    found = {}
+    for attr, item in getattr(obj, "__dict__", {}).items():
+        value = _plain_value(item, depth)
+        if not attr.startswith("_") and value is not _SKIP:
+            found[attr] = value
+    return found
+
+
+def _plain_value(value, depth: int):
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    if isinstance(value, (list, tuple, deque, set, frozenset)):
+        items = [_plain_value(v, depth) for v in value]
+        if any(v is _SKIP for v in items):
+            return _SKIP
+        return sorted(items, key=repr) if isinstance(value, (set, frozenset)) else items
+    if isinstance(value, dict):
+        items = {k: _plain_value(v, depth) for k, v in value.items()}
+        return _SKIP if any(v is _SKIP for v in items.values()) else items
+    if depth > 0 and hasattr(value, "__dict__") and not callable(value) and not isinstance(value, torch.Tensor):
+        return plain(value, depth - 1)
+    return _SKIP
 
 
 def argument_names(fn: Callable, args: tuple, kwargs: dict) -> dict[str, object]:
@@ -256,10 +369,21 @@ def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
+def not_started_reason(error: NotImplementedError, impl: Implementation, stem: str, name: str) -> str:
+    """`<file>: `name` raises NotImplementedError`, naming the sibling module that raised it when the
+    function runs on another of the learner's files (m04 runs on their m01-m03) that is still a stub."""
+    frames = traceback.extract_tb(error.__traceback__)
+    raiser = Path(frames[-1].filename) if frames else None
+    if raiser is None or frames[-1].filename.startswith(str(impl.path(stem))) or raiser.parent != impl.folder:
+        return f"{impl.shown_path(stem)}: `{name}` raises NotImplementedError"
+    return (f"{impl.shown_path(stem)}: `{name}` reaches `{frames[-1].name}` in {display(raiser)}, which raises "
+            f"NotImplementedError: finish {raiser.stem.split('_')[0]} first")
+
+
 def describe(error: BaseException, impl: Implementation, stem: str) -> str:
     """`TypeError: message (mine/m02_thinker_attention.py line 57)`, the learner's deepest line."""
     message = str(error).strip().splitlines()[0] if str(error).strip() else ""
-    line = last_line_in(error.__traceback__, str(impl.path(stem)))
+    line = last_line_in(error.__traceback__, impl.source_name(stem))
     if line is None:  # raised from a helper file the learner imported: point at the deepest frame
         frames = traceback.extract_tb(error.__traceback__)
         where = f" ({frames[-1].filename.rsplit('/', 1)[-1]} line {frames[-1].lineno})" if frames else ""

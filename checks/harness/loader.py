@@ -7,6 +7,7 @@ written anywhere (no `__pycache__` in the learner's folder). A file that cannot 
 """
 
 import itertools
+import linecache
 import sys
 import types
 from collections.abc import Callable
@@ -41,6 +42,14 @@ class Implementation:
     def shown_path(self, stem: str) -> str:
         return display(self.path(stem))
 
+    def source_name(self, stem: str) -> str:
+        """The file name the module's code objects carry: its path, or for a patched source the path and
+        the label, registered in `linecache` with the patched lines. `inspect` then reads the code that
+        runs, not the file on disk, and so does Triton, which compiles (or interprets) a kernel from its
+        source text."""
+        patched = self.patch is not None and self.patch[0] == stem
+        return f"{self.path(stem)} ({self.label})" if patched else str(self.path(stem))
+
     def load(self, stem: str) -> types.ModuleType:
         if stem in self._packages:
             loaded = self._packages[stem]
@@ -64,8 +73,11 @@ class Implementation:
             source = self.patch[1](source)
         package = self._package()
         name = f"{package.__name__}.{stem}"
+        code_name = self.source_name(stem)
+        if code_name != str(path):
+            linecache.cache[code_name] = (len(source), None, source.splitlines(keepends=True), code_name)
         try:
-            code = compile(source, str(path), "exec", dont_inherit=True)
+            code = compile(source, code_name, "exec", dont_inherit=True)
         except SyntaxError as error:
             raise LoadError(
                 f"{display(path)} line {error.lineno}: SyntaxError: {error.msg}"
@@ -84,7 +96,7 @@ class Implementation:
                             "(code at the top level that never ends?)") from None
         except (Exception, SystemExit) as error:  # noqa: BLE001 - any import-time failure is the learner's to see
             del sys.modules[name]
-            line = last_line_in(error.__traceback__, str(path))
+            line = last_line_in(error.__traceback__, code_name)
             where = f" line {line}" if line else ""
             raise LoadError(
                 f"{display(path)}{where}: importing it raised {type(error).__name__}: {error}"

@@ -12,6 +12,8 @@ source in `solutions/<stem>.py`:
 A patch must apply exactly once, so a mutant cannot silently stop being a mutant when the reference
 is edited. When a learner fails a check, the calls the check made are replayed on every mutant, and a
 mutant whose outputs (and cache states) match the learner's within the check's tolerance is named.
+A replay makes the same objects (with the same arguments), calls the same functions and methods, and
+compares results, tensors written into arguments, and the plain data of the objects involved.
 """
 
 import importlib
@@ -22,7 +24,18 @@ from functools import cache
 import torch
 
 from .compare import TOLERANCES, close_enough
-from .guard import Call, New, argument_names, changed_input, leaves, run_with_time_limit
+from .guard import (
+    Call,
+    New,
+    argument_names,
+    changed_input,
+    copy_with_layout,
+    leaves,
+    plain,
+    run_with_time_limit,
+    same,
+    whole_storage,
+)
 from .loader import ROOT, Implementation
 
 Patch = Callable[[str], str]
@@ -126,15 +139,20 @@ def _replays_alike(events: list, module, tolerance_kind: str, time_limit: float)
     made = {}
     for event in events:
         try:
-            if isinstance(event, New):
-                made[id(event.obj)] = getattr(module, event.name)()
-                continue
-            assert isinstance(event, Call)
             args = tuple(_fresh(a, made) for a in event.args)
             kwargs = {k: _fresh(v, made) for k, v in event.kwargs.items()}
-            function = getattr(module, event.name)
+            if isinstance(event, New):
+                made[id(event.obj)] = getattr(module, event.name)(*args, **kwargs)
+                continue
+            assert isinstance(event, Call)
+            if event.owner is None:
+                function = getattr(module, event.name)
+            else:  # a method: `Class.method` of an object made earlier in the replay
+                function = getattr(made[event.owner], event.name.rsplit(".", 1)[1])
             names = argument_names(function, args, kwargs)
-            before = {arg: leaves(value) for arg, value in names.items()}
+            written = {key: (args[key] if isinstance(key, int) else kwargs[key]) for key in event.written}
+            before = {arg: leaves(value) for arg, value in names.items()
+                      if not any(value is w for w in written.values())}
             result = run_with_time_limit(function, time_limit, *args, **kwargs)
         except BaseException:  # noqa: BLE001 - the mutant crashed where the learner did not
             return False
@@ -142,18 +160,27 @@ def _replays_alike(events: list, module, tolerance_kind: str, time_limit: float)
             return False
         if (changed_input(before, names) is None) != (event.changed is None):
             return False
+        for key, after in event.written.items():
+            if not _alike(whole_storage(written[key]), whole_storage(after), tolerance_kind):
+                return False
         for obj_id, state in event.states.items():
             mine = leaves(made[obj_id])
             if mine.keys() != state.keys():
                 return False
             if not all(_alike(mine[path], state[path], tolerance_kind) for path in state):
                 return False
+        for obj_id, data in event.data.items():
+            mine = plain(made[obj_id])  # the mutant's attributes: what the contract documents
+            if any(key not in data or data[key] != value for key, value in mine.items()):
+                return False
     return True
 
 
 def _fresh(value, made: dict):
     if isinstance(value, torch.Tensor):
-        return value.clone()
+        return copy_with_layout(value)
+    if isinstance(value, (list, tuple)) and not hasattr(value, "_fields"):  # not a NamedTuple
+        return type(value)(_fresh(v, made) for v in value)
     return made.get(id(value), value)
 
 
@@ -163,10 +190,10 @@ def _alike(a, b, tolerance_kind: str) -> bool:
             _alike(x, y, tolerance_kind) for x, y in zip(a, b)
         )
     if not isinstance(a, torch.Tensor) or not isinstance(b, torch.Tensor):
-        return a == b
+        return type(a) is type(b) and a == b  # 1 is not True: a wrong type is not a match
     if a.shape != b.shape or a.dtype != b.dtype:
         return False
     tol = TOLERANCES.get((tolerance_kind, b.dtype))
     if tol is None:
-        return bool(torch.equal(a, b))
+        return same(a, b)  # exact, with NaN equal to NaN (a cache's untouched slots)
     return close_enough(a, b, tol)

@@ -169,3 +169,175 @@ def hf_cache_contents(w: AttentionWeights, x, cos, sin) -> tuple[torch.Tensor, t
         _, k = modeling_qwen3.apply_rotary_pos_emb(k, k, cos, sin, unsqueeze_dim=1)  # cos [S, D] -> [S, 1, D]
         v = attention.v_proj(x).view(S, w.num_kv_heads, w.head_dim)
     return k, v
+
+
+# ---- RoPE (m03) -----------------------------------------------------------------------------------
+
+
+def hf_inverse_frequencies(head_dim: int) -> torch.Tensor:
+    """HF `Qwen3RotaryEmbedding`'s `inv_freq` [D/2] (fp32) for theta 1e6."""
+    return modeling_qwen3.Qwen3RotaryEmbedding(qwen3_config(hidden=head_dim, head_dim=head_dim)).inv_freq
+
+
+def hf_apply_rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+    """HF `apply_rotary_pos_emb` on q [T, H, D], k [T, KVH, D] with cos, sin [T, D] (-> [T, 1, D])."""
+    return modeling_qwen3.apply_rotary_pos_emb(q.clone(), k.clone(), cos, sin, unsqueeze_dim=1)
+
+
+def hf_mrope_tables(head_dim: int, mrope_section: tuple[int, int, int], position_ids: torch.Tensor,
+                    dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """HF `Qwen3OmniMoeThinkerTextRotaryEmbedding` (theta 1e6) for (t, h, w) `position_ids` [3, T] ->
+    cos, sin [T, D] in dtype."""
+    from transformers.models.qwen3_omni_moe import configuration_qwen3_omni_moe, modeling_qwen3_omni_moe  # m03 only
+
+    config = configuration_qwen3_omni_moe.Qwen3OmniMoeTextConfig(
+        hidden_size=head_dim, num_attention_heads=1, num_key_value_heads=1,
+        rope_parameters={"rope_type": "default", "rope_theta": QWEN3_ROPE_THETA, "mrope_section": list(mrope_section)},
+    )
+    rotary = modeling_qwen3_omni_moe.Qwen3OmniMoeThinkerTextRotaryEmbedding(config)
+    assert rotary.inv_freq.shape == (head_dim // 2,) and rotary.mrope_section == list(mrope_section)
+    cos, sin = rotary(torch.empty(0, dtype=dtype), position_ids[:, None, :].clone())  # [3, 1, T]: batch of one
+    return cos[0], sin[0]
+
+
+# ---- The whole model (m04) ------------------------------------------------------------------------
+
+SUB_STEPS = ("input_norm", "attention", "post_attention_norm", "mlp")  # in the order a layer runs them
+
+
+@dataclass(frozen=True)
+class LayerWeights(AttentionWeights):
+    """One decoder layer's weights: the attention's (so it is m02's `w` as it is), the two norms, the MLP."""
+
+    input_layernorm: torch.Tensor  # [hidden]
+    post_attention_layernorm: torch.Tensor  # [hidden]
+    gate_proj: torch.Tensor  # [I, hidden]
+    up_proj: torch.Tensor  # [I, hidden]
+    down_proj: torch.Tensor  # [hidden, I]
+
+    @property
+    def intermediate(self) -> int:
+        return self.gate_proj.shape[0]
+
+
+@dataclass(frozen=True)
+class ModelWeights:
+    """The `model` a learner's `model_forward` receives; the LM head is `embed_tokens` (tied)."""
+
+    embed_tokens: torch.Tensor  # [V, hidden]
+    layers: tuple[LayerWeights, ...]
+    norm: torch.Tensor  # [hidden]
+    eps: float
+    rope_theta: float
+    head_dim: int
+
+    def to(self, dtype: torch.dtype) -> "ModelWeights":
+        return replace(self, embed_tokens=self.embed_tokens.to(dtype), norm=self.norm.to(dtype),
+                       layers=tuple(layer.to(dtype) for layer in self.layers))
+
+    def clone(self) -> "ModelWeights":
+        return replace(self, embed_tokens=self.embed_tokens.clone(), norm=self.norm.clone(),
+                       layers=tuple(layer.clone() for layer in self.layers))
+
+    @classmethod
+    def random(cls, gen: torch.Generator, vocab: int, hidden: int, intermediate: int, layers: int, heads: int,
+               kv_heads: int, head_dim: int, eps: float = 1e-6) -> "ModelWeights":
+        """Weights that keep every layer's output O(1) (projections ~ N(0, 1/fan_in), norm weights around 1)
+        and the logits spread over several units, so greedy choices are rarely close calls."""
+
+        def normal(*shape, std):
+            return torch.randn(*shape, generator=gen, dtype=torch.float64).mul(std).float()
+
+        built = []
+        for _ in range(layers):
+            attention = AttentionWeights.random(gen, hidden, heads, kv_heads, head_dim, eps)
+            built.append(LayerWeights(
+                **{name: getattr(attention, name) for name in attention.tensors()},
+                eps=eps, num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim,
+                input_layernorm=1 + normal(hidden, std=0.3),
+                post_attention_layernorm=1 + normal(hidden, std=0.3),
+                gate_proj=normal(intermediate, hidden, std=hidden**-0.5),
+                up_proj=normal(intermediate, hidden, std=hidden**-0.5),
+                down_proj=normal(hidden, intermediate, std=intermediate**-0.5),
+            ))
+        return cls(embed_tokens=normal(vocab, hidden, std=0.1), layers=tuple(built),
+                   norm=1 + normal(hidden, std=0.3), eps=eps, rope_theta=QWEN3_ROPE_THETA, head_dim=head_dim)
+
+
+def hf_model_config(w: ModelWeights) -> configuration_qwen3.Qwen3Config:
+    """The `Qwen3Config` of these weights (tied embeddings, no stop token), as a config.json would hold it."""
+    first = w.layers[0]
+    config = configuration_qwen3.Qwen3Config(
+        vocab_size=w.embed_tokens.shape[0], hidden_size=first.hidden, intermediate_size=first.intermediate,
+        num_hidden_layers=len(w.layers), num_attention_heads=first.num_heads, num_key_value_heads=first.num_kv_heads,
+        head_dim=w.head_dim, rms_norm_eps=w.eps, max_position_embeddings=8192, attention_bias=False,
+        tie_word_embeddings=True, bos_token_id=None, eos_token_id=None, pad_token_id=None,
+        rope_parameters={"rope_type": "default", "rope_theta": w.rope_theta},
+    )
+    config._attn_implementation = "eager"
+    return config
+
+
+def hf_state_dict(w: ModelWeights) -> dict[str, torch.Tensor]:
+    """The weights under Hugging Face's `Qwen3ForCausalLM` names (what `model.state_dict()` holds)."""
+    names = {"model.embed_tokens.weight": w.embed_tokens, "model.norm.weight": w.norm}
+    for i, layer in enumerate(w.layers):
+        for name in ("q_proj", "k_proj", "v_proj", "o_proj", "q_norm", "k_norm"):
+            names[f"model.layers.{i}.self_attn.{name}.weight"] = getattr(layer, name)
+        for name in ("input_layernorm", "post_attention_layernorm"):
+            names[f"model.layers.{i}.{name}.weight"] = getattr(layer, name)
+        for name in ("gate_proj", "up_proj", "down_proj"):
+            names[f"model.layers.{i}.mlp.{name}.weight"] = getattr(layer, name)
+    return names
+
+
+def hf_mlp(layer: LayerWeights, x: torch.Tensor) -> torch.Tensor:
+    """HF `Qwen3MLP` (SwiGLU) with this layer's gate/up/down weights: [T, hidden] -> [T, hidden]."""
+    config = qwen3_config(hidden=layer.hidden)
+    config.intermediate_size = layer.intermediate
+    mlp = modeling_qwen3.Qwen3MLP(config).to(x.dtype)
+    with torch.no_grad():
+        for name in ("gate_proj", "up_proj", "down_proj"):
+            getattr(mlp, name).weight.copy_(getattr(layer, name))
+        return mlp(x.clone())
+
+
+def hf_causal_lm(w: ModelWeights, dtype: torch.dtype) -> modeling_qwen3.Qwen3ForCausalLM:
+    """HF `Qwen3ForCausalLM` (eager attention) holding exactly these weights, in `dtype`."""
+    model = modeling_qwen3.Qwen3ForCausalLM(hf_model_config(w)).to(dtype).eval()
+    assert model.lm_head.weight is model.model.embed_tokens.weight, "the LM head must be tied"
+    with torch.no_grad():
+        for name, value in hf_state_dict(w).items():
+            model.get_parameter(name).copy_(value)
+    return model
+
+
+def hf_logits_and_steps(model: modeling_qwen3.Qwen3ForCausalLM, token_ids: torch.Tensor):
+    """Logits [T, V] for one prefill of `token_ids` [T], and every layer's sub-step outputs, read with
+    forward hooks: {(layer, step): [T, hidden]} for the steps in `SUB_STEPS` and "output" (the layer's)."""
+    steps, hooks = {}, []
+    for i, layer in enumerate(model.model.layers):
+        modules = (layer.input_layernorm, layer.self_attn, layer.post_attention_layernorm, layer.mlp)
+        for step, module in zip(SUB_STEPS + ("output",), modules + (layer,)):
+            def keep(module, args, output, key=(i, step)):
+                steps[key] = (output[0] if isinstance(output, tuple) else output)[0].detach().clone()
+
+            hooks.append(module.register_forward_hook(keep))
+    try:
+        with torch.no_grad():
+            logits = model(token_ids[None], use_cache=False).logits[0]
+    finally:
+        for hook in hooks:
+            hook.remove()
+    return logits, steps
+
+
+def hf_greedy(model: modeling_qwen3.Qwen3ForCausalLM, prompt_ids: torch.Tensor, new_tokens: int):
+    """HF `generate(do_sample=False)`: the new tokens [new_tokens], and at each step the gap between the
+    best and second-best logit (a small gap means a rounding difference could flip the choice)."""
+    with torch.no_grad():
+        out = model.generate(prompt_ids[None], max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+                             do_sample=False, num_beams=1, output_logits=True, return_dict_in_generate=True)
+    logits = torch.stack(out.logits)[:, 0]  # [new_tokens, V]
+    top2 = logits.topk(2, dim=-1).values
+    return out.sequences[0, prompt_ids.shape[0]:], top2[:, 0] - top2[:, 1]

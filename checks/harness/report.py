@@ -140,7 +140,11 @@ def render(results: list[Result], seed: int, seconds: float, file=None) -> None:
             if len(cases) > 1 and not bad:
                 count = f"  [dim]{len(cases)} cases[/]"
             console.print(f" {ICONS[status]}  {escape(check)}{count}")
-            if status in ("not started", "passed"):
+            if status == "passed":
+                continue
+            if status == "not started":  # say so when the stub that stops it is another module's
+                for reason in sorted({c.reason for c in bad if " reaches " in c.reason}):
+                    indented(f"[dim]{escape(reason)}[/]")
                 continue
             for c in bad[:SHOWN_CASES]:
                 case = f"[cyan]{escape(c.case)}[/] " if c.case else ""

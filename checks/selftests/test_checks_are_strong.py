@@ -16,6 +16,8 @@ STEMS = [m.stem for m in modules()]
 MISTAKES = [(stem, m) for stem in STEMS for m in catalogue(stem).mistakes]
 VARIANTS = [(stem, v) for stem in STEMS for v in catalogue(stem).variants]
 BROKEN = [(stem, b) for stem in STEMS for b in catalogue(stem).broken]
+# A check whose optional oracle is absent here (flash-attn, real weights) is skipped for every implementation.
+OK = ("passed", "skipped")
 
 
 def label(stem, entry) -> str:
@@ -44,13 +46,13 @@ def test_reference_passes_everything(full_run, second_seed_run):
         for stem in STEMS:
             rows = run.of("solutions", stem)
             assert rows, f"no results for solutions/{stem}.py"
-            failing = [f"{r['check']} [{r['case']}]: {r['reason']}" for r in rows if r["status"] != "passed"]
+            failing = [f"{r['check']} [{r['case']}]: {r['reason']}" for r in rows if r["status"] not in OK]
             assert not failing, "\n".join(failing)
 
 
 def test_untouched_stubs_report_not_started(full_run, stubs_folder):
     for stem in STEMS:
-        rows = full_run.of(display(stubs_folder), stem)
+        rows = [r for r in full_run.of(display(stubs_folder), stem) if r["status"] != "skipped"]
         assert rows
         others = [r["reason"] for r in rows if r["status"] != "not started"]
         assert not others, others
@@ -74,14 +76,14 @@ def test_variant_passes(full_run, second_seed_run, stem, variant, seed):
     run = full_run if seed == SEEDS[0] else second_seed_run
     rows = run.of(label(stem, variant), stem)
     assert rows
-    failing = [f"{r['check']} [{r['case']}]: {r['reason']}" for r in rows if r["status"] != "passed"]
+    failing = [f"{r['check']} [{r['case']}]: {r['reason']}" for r in rows if r["status"] not in OK]
     assert not failing, f"a correct variant ({variant.title}) fails — a tolerance is too tight:\n" + "\n".join(failing)
 
 
 @pytest.mark.parametrize("stem, broken", BROKEN, ids=ids(BROKEN))
 def test_broken_code_gets_a_one_line_reason(full_run, stem, broken):
     rows = full_run.of(label(stem, broken), stem)
-    failed = [r for r in rows if r["status"] != "passed"]
+    failed = [r for r in rows if r["status"] not in OK]
     assert failed, f"nothing rejects the broken sample {broken.id}"
     assert {r["status"] for r in failed} == {"failed"}, {r["status"] for r in failed}
     assert any(broken.expect in r["reason"] for r in failed), [r["reason"] for r in failed][:3]

@@ -9,8 +9,20 @@ import pytest
 import torch
 
 from checks.harness.compare import Tolerance, close_enough, tolerance
-from checks.harness.oracles import AttentionWeights, hf_attention, hf_decoder_add_norm, hf_rms_norm, rope_tables
+from checks.harness.oracles import (
+    QWEN3_ROPE_THETA,
+    AttentionWeights,
+    hf_apply_rope,
+    hf_attention,
+    hf_causal_lm,
+    hf_decoder_add_norm,
+    hf_logits_and_steps,
+    hf_rms_norm,
+    rope_tables,
+)
 from checks.test_m02_thinker_attention import LAYOUTS
+from checks.test_m04_qwen3_model import LAYOUTS as M04_LAYOUTS
+from checks.test_m04_qwen3_model import random_weights
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -45,3 +57,95 @@ def test_attention_oracle_within_half_the_tolerance(seed, dtype, layout):
     cos, sin = rope_tables(D, torch.arange(13), dtype)
     truth = hf_attention(w.to(torch.float64), x.double(), cos.double(), sin.double())  # the same given inputs
     assert close_enough(hf_attention(w, x, cos, sin), truth, half(tolerance("attention", dtype)))
+
+
+# ---- m03 RoPE and m04 the whole model -------------------------------------------------------------
+
+ROPE_POSITIONS = torch.cat((torch.arange(0, 48), torch.arange(1000, 1100)))  # the ranges the m03 checks use
+
+
+def exact_angles(head_dim: int, positions: torch.Tensor) -> torch.Tensor:
+    """positions * inv_freq in float64 (theta 1e6), [T, D/2]: the truth the fp32 tables approximate."""
+    inv_freq = 1.0 / QWEN3_ROPE_THETA ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
+    return positions.double()[:, None] * inv_freq[None, :]
+
+
+@pytest.mark.parametrize("head_dim", [16, 128])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_rope_tables_within_half_the_tolerance(dtype, head_dim):
+    """HF's tables (fp32 angles, then cos/sin and a cast) against cos/sin of exact angles."""
+    angles = exact_angles(head_dim, ROPE_POSITIONS)
+    angles = torch.cat((angles, angles), dim=-1)
+    cos, sin = rope_tables(head_dim, ROPE_POSITIONS, dtype)
+    tol = half(tolerance("rope", dtype))
+    assert close_enough(cos, angles.cos(), tol) and close_enough(sin, angles.sin(), tol)
+
+
+@pytest.mark.parametrize("seed", range(3))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_rope_rotation_within_half_the_tolerance(seed, dtype):
+    """HF's apply_rotary_pos_emb in `dtype` against the same inputs in float64."""
+    gen = torch.Generator().manual_seed(seed)
+    positions = ROPE_POSITIONS[torch.randperm(len(ROPE_POSITIONS), generator=gen)[:13]]
+    q, k = torch.randn(13, 6, 64, generator=gen).to(dtype), torch.randn(13, 2, 64, generator=gen).to(dtype)
+    cos, sin = rope_tables(64, positions, dtype)
+    truth = hf_apply_rope(q.double(), k.double(), cos.double(), sin.double())
+    tol = half(tolerance("rope", dtype))
+    assert all(close_enough(got, exact, tol) for got, exact in zip(hf_apply_rope(q, k, cos, sin), truth))
+
+
+@pytest.mark.parametrize("seed", range(2))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("layout", M04_LAYOUTS)
+def test_model_oracle_within_half_the_tolerance(seed, dtype, layout):
+    """HF Qwen3ForCausalLM in `dtype` against the same weights and tokens in float64: logits and every
+    sub-step the diagnosis compares."""
+    gen = torch.Generator().manual_seed(seed)
+    w = random_weights(gen, layout).to(dtype)
+    tokens = torch.randint(0, w.embed_tokens.shape[0], (12,), generator=gen)
+    truth, truth_steps = hf_logits_and_steps(hf_causal_lm(w.to(torch.float64), torch.float64), tokens)
+    logits, steps = hf_logits_and_steps(hf_causal_lm(w, dtype), tokens)
+    tol = half(tolerance("model", dtype))
+    assert close_enough(logits, truth, tol)
+    assert all(close_enough(steps[key], truth_steps[key], tol) for key in truth_steps)
+
+
+# ---- p03 / p04 FlashAttention-style kernels -------------------------------------------------------
+
+
+def flash_inputs(seed: int, dtype: torch.dtype):
+    """One sequence with a cached prefix (37 queries, 53 keys), 4 query heads on 2 kv heads, D 64."""
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randn(37, 4, 64, generator=gen).to(dtype)
+    k, v = torch.randn(53, 2, 64, generator=gen).to(dtype), torch.randn(53, 2, 64, generator=gen).to(dtype)
+    return q, k, v
+
+
+@pytest.mark.parametrize("seed", range(3))
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+def test_flash_oracle_within_half_the_tolerance(seed, causal, dtype):
+    """torch SDPA in fp16/bf16 (the kernels' second oracle) against the definition in float64 on the same
+    inputs: within half the bound the kernels are held to."""
+    from checks.harness.attention_oracles import naive_attention, sdpa_attention
+
+    q, k, v = flash_inputs(seed, dtype)
+    truth, _ = naive_attention(q, k, v, causal=causal)
+    assert close_enough(sdpa_attention(q, k, v, causal=causal), truth, half(tolerance("flash", dtype)))
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_flash_fp32_within_half_the_tolerance(seed):
+    """The definition computed in fp32 (scores, softmax, log-sum-exp) against float64: the fp32 bound that
+    the LSE and p03's PyTorch steps are held to."""
+    from checks.harness.attention_oracles import naive_attention
+
+    q, k, v = flash_inputs(seed, torch.float32)
+    truth_out, truth_lse = naive_attention(q, k, v, causal=True)
+    keys, values = k.repeat_interleave(2, dim=1), v.repeat_interleave(2, dim=1)
+    scores = torch.einsum("qhd,khd->hqk", q, keys) * 64**-0.5
+    mask = torch.arange(53)[None, :] > torch.arange(37)[:, None] + 16
+    scores = scores.masked_fill(mask, float("-inf"))
+    out = torch.einsum("hqk,khd->qhd", scores.softmax(dim=-1), values)
+    tol = half(tolerance("flash", torch.float32))
+    assert close_enough(out, truth_out, tol) and close_enough(torch.logsumexp(scores, dim=-1), truth_lse, tol)

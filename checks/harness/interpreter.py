@@ -1,0 +1,50 @@
+"""Triton kernels as the checks run them: compiled on a GPU, in Triton's CPU interpreter elsewhere.
+
+`./check.sh` sets `TRITON_INTERPRET=1` where there is no GPU, before any kernel is decorated. This
+module says which of the two verified a result, and repairs one gap in the interpreter: it stores
+bfloat16 values as their raw 16-bit patterns and its `tl.dot` multiplies those patterns as integers, so
+every bf16 `tl.dot` returns garbage there (seen with triton 3.9). The repair widens bf16 operands to
+fp32 before the product — the arithmetic a GPU's tensor cores do for bf16 (each product of two bf16
+values is exact in fp32, and the sum is kept in fp32) — so a kernel is checked on the CPU as it runs
+on the GPU. Nothing changes for compiled kernels.
+"""
+
+import os
+
+import torch
+
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+DEVICE = torch.device("cuda" if torch.cuda.is_available() and not INTERPRETED else "cpu")
+
+
+def verified_on() -> str:
+    """"CPU (Triton 3.9.0 interpreter)" or "GPU (NVIDIA H200, compiled Triton 3.6.0)"."""
+    import triton
+
+    if DEVICE.type == "cuda":
+        return f"GPU ({torch.cuda.get_device_name(DEVICE)}, compiled Triton {triton.__version__})"
+    return f"CPU (Triton {triton.__version__} interpreter)"
+
+
+def _repair_bf16_dot() -> None:
+    from triton import language as tl
+    from triton.runtime import interpreter
+
+    builder = interpreter.InterpreterBuilder
+    if getattr(builder.create_dot, "kvlab_repaired", False):
+        return
+    original = builder.create_dot
+
+    def create_dot(self, a, b, d, *args, **kwargs):
+        if a.dtype == tl.bfloat16:
+            a = self.cast_impl(a, tl.float32)
+        if b.dtype == tl.bfloat16:
+            b = self.cast_impl(b, tl.float32)
+        return original(self, a, b, d, *args, **kwargs)
+
+    create_dot.kvlab_repaired = True
+    builder.create_dot = create_dot
+
+
+if INTERPRETED:
+    _repair_bf16_dot()
