@@ -87,7 +87,8 @@ class Reporter:
         else:
             entry = call.excinfo.traceback[-1]
             result.status = "kit error"
-            result.reason = f"{type(error).__name__}: {error} ({entry.path.name} line {entry.lineno + 1})"
+            where = str(entry.path).rsplit("/", 1)[-1]
+            result.reason = f"{type(error).__name__}: {error} ({where} line {entry.lineno + 1})"
         return result
 
     def name_mistakes(self, item, stem: str) -> list[str]:

@@ -1,0 +1,628 @@
+"""Checks for P01 · paged KV block manager (mine/p01_block_manager.py).
+
+Oracles: the hand-worked scenarios in toy_cases/p01_block_manager.json; a dense model of the same
+bookkeeping in this file (prefixes compared as whole token tuples, no hashing), run side by side with
+the learner's manager on random allocate/append/free sequences drawn by hypothesis, together with
+invariants that hold for any correct manager (every slot a live sequence reads holds the K/V of exactly
+that sequence's prefix, ref counts equal owners, free + used = all); and, for the metadata, the slot
+and position of every token computed from its position alone.
+"""
+
+from dataclasses import dataclass
+
+import pytest
+import torch
+from hypothesis import HealthCheck, Phase, Verbosity, given, settings
+from hypothesis import seed as hypothesis_seed
+from hypothesis import strategies as st
+from hypothesis.configuration import set_hypothesis_home_dir
+from hypothesis.errors import Flaky
+
+from checks.harness.compare import Mismatch
+from checks.harness.guard import LearnerError, NotStarted
+from checks.harness.loader import ROOT
+from checks.harness.toys import load_toy
+
+pytestmark = pytest.mark.p01
+
+TOLERANCE_KIND = "exact"  # bookkeeping: integers, compared exactly
+CONTRACTS = {}  # results are checked field by field below
+TOY = load_toy("p01_block_manager")
+set_hypothesis_home_dir(ROOT / ".kvlab" / "hypothesis")  # its cache goes with the kit's run state, not the cwd
+
+
+# ---- reading the learner's state --------------------------------------------------------------------
+
+
+@dataclass
+class State:
+    free: list[int]  # free_block_ids, in order
+    used: list[int]  # used_block_ids, sorted
+    refs: list[int]  # ref_count of each block
+    hashes: list[int]
+    full: list[bool]  # token_ids of the block has block_size ids
+    entries: dict[int, int]  # hash_to_block_id
+
+
+def read_state(manager, block_size: int) -> State:
+    try:
+        blocks = list(manager.blocks)
+        return State(list(manager.free_block_ids), sorted(manager.used_block_ids), [b.ref_count for b in blocks],
+                     [b.hash for b in blocks], [len(b.token_ids) == block_size for b in blocks],
+                     dict(manager.hash_to_block_id))
+    except LearnerError:
+        raise
+    except Exception as error:  # noqa: BLE001 - the state is the learner's to keep
+        raise LearnerError(f"reading the manager's state (blocks, free_block_ids, used_block_ids, "
+                           f"hash_to_block_id) raised {type(error).__name__}: {error}") from None
+
+
+def cached_blocks(state: State) -> list[int]:
+    return sorted(state.entries.values())
+
+
+def shown(tokens) -> str:
+    return "[" + ", ".join(map(str, tokens)) + "]"
+
+
+def expect_bool(answer, expected: bool, what: str) -> None:
+    if not isinstance(answer, bool):
+        raise Mismatch(f"{what} returned {answer!r} ({type(answer).__name__}), expected a bool")
+    if answer != expected:
+        raise Mismatch(f"{what} is {answer}, expected {expected}")
+
+
+# ---- the dense model ---------------------------------------------------------------------------------
+
+
+class Model:
+    """The bookkeeping the contract describes, written the plainest way: a cached block is known by the
+    whole tuple of tokens from the sequence's start through its end (what a chained hash stands for)."""
+
+    def __init__(self, num_blocks: int, block_size: int):
+        self.block_size = block_size
+        self.free = list(range(num_blocks))
+        self.refs = [0] * num_blocks
+        self.prefix: list[tuple | None] = [None] * num_blocks  # the prefix a full block ends, once sealed
+        self.cache: dict[tuple, int] = {}  # that prefix -> block
+        self.tables: dict[str, list[int]] = {}
+        self.cached: dict[str, int] = {}
+        self.tokens: dict[str, list[int]] = {}
+
+    def blocks_for(self, n_tokens: int) -> int:
+        return -(-n_tokens // self.block_size)
+
+    def can_allocate(self, tokens) -> bool:
+        return len(self.free) >= self.blocks_for(len(tokens))
+
+    def allocate(self, name: str, tokens) -> None:
+        bs, n = self.block_size, self.blocks_for(len(tokens))
+        table, cached, hitting = [], 0, True
+        for j in range(n):
+            key = tuple(tokens[: (j + 1) * bs]) if (j + 1) * bs <= len(tokens) else None
+            found = self.cache.get(key) if key is not None and j < n - 1 else None
+            hitting = hitting and found is not None
+            if hitting:
+                if self.refs[found] == 0:
+                    self.free.remove(found)
+                self.refs[found] += 1
+                cached += bs
+                table.append(found)
+            else:
+                table.append(self.take())
+                if key is not None:
+                    self.seal(table[-1], key)
+        self.tables[name], self.cached[name], self.tokens[name] = table, cached, list(tokens)
+
+    def can_append(self, name: str) -> bool:
+        return len(self.free) >= (len(self.tokens[name]) % self.block_size == 0)
+
+    def append(self, name: str, token: int) -> None:
+        tokens = self.tokens[name]
+        if len(tokens) % self.block_size == 0:
+            self.tables[name].append(self.take())
+        tokens.append(token)
+        if len(tokens) % self.block_size == 0:
+            self.seal(self.tables[name][-1], tuple(tokens))
+
+    def release(self, name: str) -> None:
+        for block in reversed(self.tables.pop(name)):
+            self.refs[block] -= 1
+            if self.refs[block] == 0:
+                self.free.append(block)
+        del self.cached[name], self.tokens[name]
+
+    def take(self) -> int:
+        block = self.free.pop(0)
+        if self.prefix[block] is not None and self.cache.get(self.prefix[block]) == block:
+            del self.cache[self.prefix[block]]
+        self.prefix[block], self.refs[block] = None, 1
+        return block
+
+    def seal(self, block: int, prefix: tuple) -> None:
+        self.prefix[block] = prefix
+        self.cache[prefix] = block
+
+
+# ---- invariants ---------------------------------------------------------------------------------------
+
+
+def slot(table: list[int], position: int, block_size: int) -> int:
+    return table[position // block_size] * block_size + position % block_size
+
+
+def invariant_problem(state: State, live: dict, holds: dict, block_size: int) -> str | None:
+    """What any correct manager keeps true, whatever its choices; None when all hold."""
+    n = len(state.refs)
+    if len(set(state.free)) != len(state.free) or set(state.free) & set(state.used) or \
+            set(state.free) | set(state.used) != set(range(n)):
+        return f"free {state.free} and used {state.used} are not a partition of the {n} blocks"
+    owners = [0] * n
+    for seq in live.values():
+        for block in seq.block_table:
+            owners[block] += 1
+    for b in range(n):
+        if state.refs[b] != owners[b]:
+            return f"block {b} has ref_count {state.refs[b]} but {owners[b]} live sequences hold it"
+        if (state.refs[b] == 0) != (b in state.free):
+            return f"block {b} has ref_count {state.refs[b]} and is {'' if b in state.free else 'not '}free"
+    for key, b in state.entries.items():
+        if not 0 <= b < n or state.hashes[b] != key or not state.full[b]:
+            return f"hash_to_block_id has an entry for block {b}, which no longer holds that full block"
+    for name, seq in live.items():
+        length, table, cached = len(seq), list(seq.block_table), seq.num_cached_tokens
+        if len(table) != -(-length // block_size):
+            return f"{name} has {length} tokens in {len(table)} blocks {table}, expected {-(-length // block_size)}"
+        if cached % block_size or not 0 <= cached < length:
+            return f"{name} has num_cached_tokens {cached} of {length} tokens (a multiple of {block_size}, < len)"
+        if length % block_size and state.refs[table[-1]] != 1:
+            return f"{name}'s partial last block {table[-1]} is shared, so its free slots have two writers"
+        for p in range(length):
+            prefix = tuple(seq.token_ids[: p + 1])
+            if holds.get(slot(table, p, block_size)) != prefix:
+                found = holds.get(slot(table, p, block_size))
+                got = "nothing" if found is None else f"the K/V of prefix {shown(found)}"
+                return f"position {p} of {name} reads slot {slot(table, p, block_size)}, which holds {got}, " \
+                       f"not that of {shown(prefix)}"
+    return None
+
+
+def model_problem(state: State, model: Model, live: dict) -> str | None:
+    """Where the learner's choices differ from the contract's (block ids, reuse order, cache entries)."""
+    for name, seq in live.items():
+        if list(seq.token_ids) != model.tokens[name]:
+            return f"{name} has tokens {shown(seq.token_ids)}, expected {shown(model.tokens[name])}"
+        if list(seq.block_table) != model.tables[name]:
+            return f"{name} has block table {list(seq.block_table)}, expected {model.tables[name]}"
+        if seq.num_cached_tokens != model.cached[name]:
+            return f"{name} has num_cached_tokens {seq.num_cached_tokens}, expected {model.cached[name]}"
+    if state.free != model.free:
+        return f"free_block_ids is {state.free}, expected {model.free} (taken from the left, freed to the right)"
+    if cached_blocks(state) != sorted(model.cache.values()):
+        return f"hash_to_block_id points at blocks {cached_blocks(state)}, expected {sorted(model.cache.values())}"
+    return None
+
+
+# ---- playing operations against the model ----------------------------------------------------------------
+
+
+def with_steps(method):
+    """A failure inside a player's operation carries the operations so far, in words, on its one line."""
+
+    def run(self, *args):
+        try:
+            return method(self, *args)
+        except (Mismatch, LearnerError) as error:
+            text = str(error)
+            hung = "did not return within" in text or "hung in an earlier" in text
+            if not self.steps or " · steps: " in text or hung:
+                raise
+            text += f" · steps: {'; '.join(self.steps)}"
+            raise (Mismatch(text) if isinstance(error, Mismatch) else LearnerError(text, error.identifiable)) from None
+
+    return run
+
+
+class Player:
+    """Runs operations on the learner's manager and the model side by side; records them in words.
+    With `follow_model=False` (a custom hash) only the invariants are checked."""
+
+    def __init__(self, impl, num_blocks: int, block_size: int, hash_block=None, follow_model: bool = True):
+        self.impl, self.block_size, self.follow_model = impl, block_size, follow_model
+        extra = () if hash_block is None else (hash_block,)
+        self.manager = impl.BlockManager(num_blocks, block_size, *extra)
+        self.model = Model(num_blocks, block_size)
+        self.live: dict = {}
+        self.holds: dict[int, tuple] = {}  # slot -> the prefix whose last token's K/V was written there
+        self.steps: list[str] = []
+        self.made = 0
+
+    @with_steps
+    def allocate(self, tokens) -> str | None:
+        name = f"s{self.made}"
+        seq = self.impl.Sequence(tokens, self.block_size)
+        if self.follow_model:
+            possible = self.model.can_allocate(tokens)
+        else:  # the model's hits are not the custom hash's: count the learner's free blocks instead
+            possible = len(read_state(self.manager, self.block_size).free) >= self.model.blocks_for(len(tokens))
+        expect_bool(self.manager.can_allocate(seq), possible, f"can_allocate({shown(tokens)})")
+        if not possible:
+            self.note(f"can_allocate({shown(tokens)}) is False")
+            return None
+        self.made += 1
+        self.note(f"{name} = allocate {shown(tokens)}")
+        self.manager.allocate(seq)
+        self.model.allocate(name, tokens)
+        self.live[name] = seq
+        self.written(seq, range(self.read_cached(seq), len(tokens)))
+        return name
+
+    @with_steps
+    def append(self, name: str, token: int) -> bool:
+        seq = self.live[name]
+        possible = self.model.can_append(name)
+        length = len(self.model.tokens[name])
+        expect_bool(self.manager.can_append(seq), possible, f"can_append({name}) at {length} tokens")
+        if not possible:
+            self.note(f"can_append({name}) is False")
+            return False
+        self.note(f"append {token} to {name}")
+        self.manager.append(seq, token)
+        self.model.append(name, token)
+        self.written(seq, [len(seq) - 1])
+        return True
+
+    @with_steps
+    def free(self, name: str) -> None:
+        self.note(f"free {name}")
+        self.manager.free(self.live.pop(name))
+        self.model.release(name)
+
+    def note(self, step: str) -> str:
+        self.steps.append(step)
+        return step
+
+    def read_cached(self, seq) -> int:
+        cached = seq.num_cached_tokens
+        if not isinstance(cached, int) or not 0 <= cached <= len(seq):
+            raise Mismatch(f"{self.steps[-1]}: num_cached_tokens is {cached!r}")
+        return cached
+
+    def written(self, seq, positions) -> None:
+        """Computing tokens stores their K/V in their slots: remember which prefix each slot now holds."""
+        table = list(seq.block_table)
+        for p in positions:
+            if p // self.block_size >= len(table):
+                raise Mismatch(f"after {self.steps[-1]}: {len(seq)} tokens in {len(table)} blocks {table}, "
+                               f"expected {-(-len(seq) // self.block_size)}")
+            self.holds[slot(table, p, self.block_size)] = tuple(seq.token_ids[: p + 1])
+
+    @with_steps
+    def check(self) -> None:
+        state = read_state(self.manager, self.block_size)
+        problem = invariant_problem(state, self.live, self.holds, self.block_size)
+        if problem is None and self.follow_model:
+            problem = model_problem(state, self.model, self.live)
+        if problem:
+            raise Mismatch(f"after {self.steps[-1]}: {problem}")
+
+    def expect_cached(self, name: str, expected: int) -> None:
+        got = self.live[name].num_cached_tokens
+        if got != expected:
+            raise Mismatch(f"after {self.steps[-1]}: {name} has num_cached_tokens {got}, expected {expected} "
+                           f"· steps: {'; '.join(self.steps)}")
+
+
+def play_toy(impl, scenario: dict) -> None:
+    bs = TOY["block_size"]
+    player = Player(impl, scenario["num_blocks"], bs)
+    names: dict[str, str] = {}  # the toy's names (A, B, ...) -> the player's (s0, s1, ...)
+    for step in scenario["steps"]:
+        if step["do"] == "can_allocate":
+            seq = impl.Sequence(step["tokens"], bs)
+            expect_bool(player.manager.can_allocate(seq), step["answer"], f"can_allocate({shown(step['tokens'])})")
+            continue
+        if step["do"] == "can_append":
+            seq = player.live[names[step["seq"]]]
+            expect_bool(player.manager.can_append(seq), step["answer"], f"can_append({step['seq']})")
+            continue
+        if step["do"] == "allocate":
+            names[step["seq"]] = player.allocate(step["tokens"])
+        elif step["do"] == "append":
+            player.append(names[step["seq"]], step["token"])
+        else:
+            player.free(names[step["seq"]])
+        state = read_state(player.manager, bs)
+        what = f"after step {step['step']} ({step['do']} {step['seq']})"
+        for toy_name, table in step["block_tables"].items():
+            seq = player.live[names[toy_name]]
+            if list(seq.block_table) != table:
+                raise Mismatch(f"{what}: {toy_name}'s block table is {list(seq.block_table)}, expected {table}")
+            if seq.num_cached_tokens != step["num_cached_tokens"][toy_name]:
+                raise Mismatch(f"{what}: {toy_name}'s num_cached_tokens is {seq.num_cached_tokens}, "
+                               f"expected {step['num_cached_tokens'][toy_name]}")
+        for field, got, expected in (("free_block_ids", state.free, step["free"]),
+                                     ("ref counts", state.refs, step["ref_counts"]),
+                                     ("cached blocks (hash_to_block_id values)", cached_blocks(state),
+                                      step["cached_blocks"])):
+            if got != expected:
+                raise Mismatch(f"{what}: {field} {got}, expected {expected}")
+
+
+# ---- the toy --------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("scenario", TOY["scenarios"], ids=lambda s: s["name"].replace(" ", "-"))
+def test_toy_scenario(impl, scenario):
+    """the page's toy scenarios: block tables, cached tokens, free list, ref counts and cache after each step"""
+    play_toy(impl, scenario)
+
+
+def toy_sequences(impl, rows: list[dict]):
+    return [impl.Sequence(r["tokens"], TOY["block_size"], r["block_table"], r["num_cached_tokens"]) for r in rows]
+
+
+def test_toy_prefill_metadata(impl):
+    """the page's toy prefill batch: ids, positions, cu_seqlens, slots and padded block tables"""
+    batch = TOY["prefill"]
+    expect_metadata(impl.prefill_metadata(toy_sequences(impl, batch["sequences"])), batch["expected"], "prefill")
+
+
+def test_toy_decode_metadata(impl):
+    """the page's toy decode batch: last tokens, positions, context lengths, slots and block tables"""
+    batch = TOY["decode"]
+    expect_metadata(impl.decode_metadata(toy_sequences(impl, batch["sequences"])), batch["expected"], "decode")
+
+
+# ---- targeted behaviours ---------------------------------------------------------------------------------
+
+
+def test_slot_of(impl, gen):
+    """slot_of gives block_table[i // block_size] * block_size + i % block_size for every token"""
+    for block_size in (1, 3, 4, 16):
+        length = int(torch.randint(1, 5 * block_size + 1, (), generator=gen))
+        table = torch.randperm(40, generator=gen)[: -(-length // block_size)].tolist()
+        seq = impl.Sequence(torch.randint(0, 100, (length,), generator=gen).tolist(), block_size, table)
+        for p in range(length):
+            got, expected = impl.slot_of(seq, p), slot(table, p, block_size)
+            if got != expected:
+                raise Mismatch(f"block_size {block_size}, table {table}: slot_of(seq, {p}) is {got}, "
+                               f"expected {expected}")
+
+
+@pytest.mark.parametrize("block_size", [1, 3, 4])
+def test_blocks_at_every_length(impl, block_size):
+    """prompts of every length get ceil(len / block_size) blocks; a token opens a block exactly when the last is full"""
+    player = Player(impl, 3 * block_size + 8, block_size)
+    for length in range(1, 2 * block_size + 2):  # lengths around every multiple of block_size
+        name = player.allocate(list(range(100 * length, 100 * length + length)))
+        player.check()
+        player.free(name)
+        player.check()
+    name = player.allocate([7])
+    for token in range(3 * block_size):
+        player.append(name, token)
+        player.check()
+
+
+def test_can_append_when_no_block_is_free(impl):
+    """with no free block left, can_append is True while the last block has room and False once it is full"""
+    player = Player(impl, 2, 4)
+    name = player.allocate([1, 2, 3, 4, 5])  # both blocks taken, the second holds 1 token
+    for token in (6, 7, 8):
+        player.append(name, token)
+        player.check()
+    player.append(name, 9)  # the last block is full and none is free: the player checks can_append is False
+    player.check()
+
+
+def test_shared_prefix_and_last_block(impl):
+    """a prompt that repeats another's full blocks shares them (ref counts 2), except its last block"""
+    player = Player(impl, 8, 4)
+    first = list(range(1, 9))  # two full blocks
+    player.allocate(first)
+    player.allocate(first)  # all blocks cached, but the last must be computed: 4 cached tokens, not 8
+    player.check()
+    player.allocate(first + [9])  # three blocks: the first two are hits
+    player.check()
+
+
+def test_hash_is_chained(impl):
+    """the same tokens at another depth, or after another block, are not a cache hit"""
+    player = Player(impl, 10, 2)
+    player.allocate([1, 2, 3, 4, 5])  # blocks [1, 2] and [3, 4] cached
+    player.allocate([3, 4, 1, 2, 6])  # [3, 4] at depth 0 is not the [3, 4] that followed [1, 2]
+    player.check()
+    player.allocate([9, 9, 3, 4, 6])  # [3, 4] at depth 1, after another block
+    player.check()
+
+
+def test_freed_blocks_are_revived_and_reused_in_order(impl):
+    """a freed full block is a cache hit until taken; blocks are reused left to right, a sequence's tail first"""
+    player = Player(impl, 6, 2)
+    a = player.allocate([1, 2, 3, 4, 5, 6, 7])  # 4 blocks, 3 full
+    player.free(a)
+    player.check()
+    b = player.allocate([1, 2, 3, 4, 8])  # revives the first two
+    player.check()
+    player.allocate([5, 5, 5])  # takes the oldest free blocks, dropping their cache entries
+    player.check()
+    player.free(b)
+    player.allocate([1, 2, 3, 4, 5, 6, 9])
+    player.check()
+
+
+def weak_hash(token_ids, prefix_hash=-1) -> int:
+    """A deliberately weak block hash: every full block collides with every other one."""
+    return 7
+
+
+def test_token_ids_guard_against_collisions(impl):
+    """with a hash under which every block collides, a hit still needs equal token ids"""
+    # Under one hash the cache holds one entry, the block sealed last. (Equal tokens after another prefix
+    # would be a false hit no token check can see, so every block here has tokens of its own.)
+    player = Player(impl, 9, 2, hash_block=weak_hash, follow_model=False)
+    player.allocate([1, 2, 3, 4, 5])  # the entry: the block [3, 4]
+    b = player.allocate([5, 6, 7])  # [5, 6] collides with [3, 4]: a miss, and [5, 6] is the entry now
+    player.check()
+    player.expect_cached(b, 0)
+    c = player.allocate([3, 4, 8])  # [3, 4] collides with [5, 6]: a miss; [3, 4] (first block) is the entry
+    player.check()
+    player.expect_cached(c, 0)
+    d = player.allocate([3, 4, 9])  # equal tokens, same (empty) prefix: a true hit
+    player.check()
+    player.expect_cached(d, 2)
+
+
+# ---- random operations (hypothesis) ----------------------------------------------------------------------
+
+OPS_CONFIGS = {"bs2-8blocks": (2, 8), "bs3-7blocks": (3, 7)}
+MAX_EXAMPLES = 25
+
+
+def operations(block_size: int):
+    """Allocate / append / free with tokens from {0, 1}: shared prefixes and repeated blocks are common."""
+    prompt = st.lists(st.integers(0, 1), min_size=1, max_size=3 * block_size + 1)
+    return st.lists(st.one_of(
+        st.tuples(st.just("allocate"), prompt),
+        st.tuples(st.just("append"), st.integers(0, 3), st.integers(0, 1)),
+        st.tuples(st.just("free"), st.integers(0, 3)),
+    ), min_size=1, max_size=20)
+
+
+def play_operations(impl, ops, num_blocks: int, block_size: int) -> None:
+    player = Player(impl, num_blocks, block_size)
+    for op in ops:
+        live = sorted(player.live, key=lambda name: int(name[1:]))
+        if op[0] == "allocate":
+            player.allocate(op[1])
+        elif not live:
+            continue
+        elif op[0] == "append":
+            player.append(live[op[1] % len(live)], op[2])
+        else:
+            player.free(live[op[1] % len(live)])
+        player.check()
+
+
+@pytest.mark.parametrize("config", OPS_CONFIGS)
+def test_random_operations_match_the_model(impl, seed, config):
+    """random allocate / append / free sequences keep every invariant and match the dense model"""
+    block_size, num_blocks = OPS_CONFIGS[config]
+    stopped: list[BaseException] = []  # not started, or hung: no use running more examples
+
+    @settings(max_examples=MAX_EXAMPLES, deadline=None, database=None, report_multiple_bugs=False,
+              verbosity=Verbosity.quiet, phases=[Phase.explicit, Phase.generate, Phase.shrink],
+              suppress_health_check=list(HealthCheck))
+    @hypothesis_seed(seed)
+    @given(ops=operations(block_size))
+    def run(ops):
+        if stopped:
+            return
+        impl.start_over()  # only the last example's calls are replayed to name a mistake
+        try:
+            play_operations(impl, ops, num_blocks, block_size)
+        except NotStarted as error:
+            stopped.append(error)
+        except LearnerError as error:
+            if "did not return within" in str(error) or "hung in an earlier check" in str(error):
+                stopped.append(error)
+            else:
+                raise
+
+    try:
+        run()
+    except Flaky:
+        raise Mismatch("the same operations gave different results on two runs: does your manager depend on "
+                       "anything besides its calls (a set's order, a random choice)?") from None
+    if stopped:
+        raise stopped[0]
+
+
+# ---- metadata --------------------------------------------------------------------------------------------
+
+
+def random_batch(impl, gen, block_size: int, prefill: bool):
+    """2-4 sequences with random tokens, distinct random blocks, and (prefill) random cached prefixes."""
+    free = torch.randperm(60, generator=gen).tolist()
+    seqs = []
+    for _ in range(int(torch.randint(2, 5, (), generator=gen))):
+        length = int(torch.randint(1, 4 * block_size + 2, (), generator=gen))
+        table = [free.pop() for _ in range(-(-length // block_size))]
+        cached = block_size * int(torch.randint(0, (length - 1) // block_size + 1, (), generator=gen)) if prefill else 0
+        tokens = torch.randint(0, 1000, (length,), generator=gen).tolist()
+        seqs.append(impl.Sequence(tokens, block_size, table, cached))
+    return seqs
+
+
+def prefill_expected(seqs) -> dict:
+    """Straight from each token's position: new tokens are positions num_cached_tokens .. len - 1."""
+    ids, positions, slots, cu_q, cu_k = [], [], [], [0], [0]
+    for seq in seqs:
+        for p in range(seq.num_cached_tokens, len(seq)):
+            ids.append(seq.token_ids[p])
+            positions.append(p)
+            slots.append(slot(seq.block_table, p, seq.block_size))
+        cu_q.append(cu_q[-1] + len(seq) - seq.num_cached_tokens)
+        cu_k.append(cu_k[-1] + len(seq))
+    any_cached = any(seq.num_cached_tokens for seq in seqs)
+    return {"input_ids": ids, "positions": positions, "cu_seqlens_q": cu_q, "cu_seqlens_k": cu_k,
+            "max_seqlen_q": max(len(s) - s.num_cached_tokens for s in seqs), "max_seqlen_k": max(map(len, seqs)),
+            "slot_mapping": slots, "block_tables": padded(seqs) if any_cached else None}
+
+
+def decode_expected(seqs) -> dict:
+    return {"input_ids": [s.token_ids[-1] for s in seqs], "positions": [len(s) - 1 for s in seqs],
+            "context_lens": [len(s) for s in seqs],
+            "slot_mapping": [slot(s.block_table, len(s) - 1, s.block_size) for s in seqs], "block_tables": padded(seqs)}
+
+
+def padded(seqs) -> list[list[int]]:
+    width = max(len(s.block_table) for s in seqs)
+    return [list(s.block_table) + [-1] * (width - len(s.block_table)) for s in seqs]
+
+
+FIELD_DTYPES = {"input_ids": torch.int64, "positions": torch.int64, "cu_seqlens_q": torch.int32,
+                "cu_seqlens_k": torch.int32, "slot_mapping": torch.int32, "context_lens": torch.int32,
+                "block_tables": torch.int32}
+
+
+def expect_metadata(result, expected: dict, what: str) -> None:
+    for name, value in expected.items():
+        try:
+            got = getattr(result, name)
+        except AttributeError:
+            raise Mismatch(f"{what}: the result has no field `{name}`") from None
+        if value is None or isinstance(value, int):
+            if got is not None and not isinstance(got, int) or got != value:
+                raise Mismatch(f"{what} {name}: {got!r}, expected {value!r}")
+            continue
+        if not isinstance(got, torch.Tensor):
+            raise Mismatch(f"{what} {name}: a {type(got).__name__}, expected a tensor")
+        if got.dtype != FIELD_DTYPES[name]:
+            raise Mismatch(f"{what} {name}: dtype {str(got.dtype).removeprefix('torch.')}, expected "
+                           f"{str(FIELD_DTYPES[name]).removeprefix('torch.')}")
+        if got.tolist() != value:
+            raise Mismatch(f"{what} {name}: {got.tolist()}, expected {value}")
+
+
+@pytest.mark.parametrize("block_size", [1, 4, 5])
+def test_prefill_metadata(impl, gen, block_size):
+    """prefill metadata equals the one computed token by token (positions from the cached prefix on)"""
+    for _ in range(4):
+        seqs = random_batch(impl, gen, block_size, prefill=True)
+        expect_metadata(impl.prefill_metadata(seqs), prefill_expected(seqs), "prefill")
+
+
+def test_prefill_metadata_without_a_cached_prefix(impl, gen):
+    """a prefill with nothing cached has no block tables, and cu_seqlens_q equals cu_seqlens_k"""
+    seqs = random_batch(impl, gen, 4, prefill=False)
+    expect_metadata(impl.prefill_metadata(seqs), prefill_expected(seqs), "prefill")
+
+
+@pytest.mark.parametrize("block_size", [1, 4, 5])
+def test_decode_metadata(impl, gen, block_size):
+    """decode metadata equals the one computed from each sequence's last position"""
+    for _ in range(4):
+        seqs = random_batch(impl, gen, block_size, prefill=False)
+        expect_metadata(impl.decode_metadata(seqs), decode_expected(seqs), "decode")
