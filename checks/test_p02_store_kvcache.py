@@ -8,14 +8,12 @@ shows, and so does any byte changed elsewhere. Each check runs both versions, th
 Triton kernel: compiled on a GPU, in Triton's interpreter on a CPU (small sizes there: it is slow).
 """
 
-import os
-
 import pytest
 import torch
-import triton
 
 from checks.harness.compare import Mismatch
 from checks.harness.guard import LearnerError, Writes
+from checks.harness.interpreter import DEVICE, verified_on  # noqa: F401 - the report reads verified_on
 from checks.harness.toys import load_toy
 
 pytestmark = pytest.mark.p02
@@ -25,20 +23,11 @@ CONTRACTS = {
     "store_kvcache": lambda key, value, k_cache, v_cache, slot_mapping: Writes(k_cache, v_cache),
     "store_kvcache_torch": lambda key, value, k_cache, v_cache, slot_mapping: Writes(k_cache, v_cache),
 }
-INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"  # set by ./check.sh and conftest.py without a GPU
-DEVICE = torch.device("cuda" if torch.cuda.is_available() and not INTERPRETED else "cpu")
 VERSIONS = {"torch": "store_kvcache_torch", "triton": "store_kvcache"}
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 LAYOUTS = {"KVH2-D8": (2, 8), "KVH3-D8": (3, 8), "KVH1-D6": (1, 6)}  # ROW = 16, 24 (not a power of two), 6
 BITS = {torch.float32: torch.int32, torch.bfloat16: torch.int16, torch.float16: torch.int16}
 TOY = load_toy("p02_store_kvcache")
-
-
-def verified_on() -> str:
-    """"CPU (Triton 3.9.0 interpreter)" or "GPU (NVIDIA H200, compiled Triton 3.6.0)"."""
-    if DEVICE.type == "cuda":
-        return f"GPU ({torch.cuda.get_device_name(DEVICE)}, compiled Triton {triton.__version__})"
-    return f"CPU (Triton {triton.__version__} interpreter)"
 
 
 class Caches:
