@@ -91,6 +91,20 @@ class Broken:
     expect: str  # text the one-line reason must contain
 
 
+def everyday_breakage(anchor: str, function: str, message: str = "shape mismatch in my code") -> list[Broken]:
+    """The breakage every module must survive: a syntax error, a renamed public function, an exception
+    and an endless loop. `anchor` is one whole line of the reference, inside code the checks run;
+    `function` is a public function's name."""
+    indent = anchor[: len(anchor) - len(anchor.lstrip())]
+    return [
+        Broken("syntax-error", replace(anchor, anchor + ")"), "SyntaxError"),
+        Broken("missing-function", replace(f"def {function}(", f"def {function}_v2("), f"has no `{function}`"),
+        Broken("raises", replace(anchor, f"{indent}raise RuntimeError({message!r})\n{anchor}"),
+               f"RuntimeError: {message}"),
+        Broken("hang", replace(anchor, f"{indent}while True:\n{indent}    pass\n{anchor}"), "did not return within"),
+    ]
+
+
 @dataclass(frozen=True)
 class Catalogue:
     stem: str

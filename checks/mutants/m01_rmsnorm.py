@@ -3,7 +3,7 @@
 Ids match the Pitfalls section of `exercises/m01_rmsnorm.md`.
 """
 
-from checks.harness.mistakes import Broken, Mistake, Variant, append, replace
+from checks.harness.mistakes import Broken, Mistake, Variant, append, everyday_breakage, replace
 
 MISTAKES = [
     Mistake(
@@ -89,11 +89,8 @@ def add_rms_norm(x, residual, weight, eps):
 ]
 
 BROKEN = [
-    Broken("syntax-error", replace("    x32 = x.to(torch.float32)", "    x32 = x.to(torch.float32"), "SyntaxError"),
-    Broken("missing-function", replace("def add_rms_norm(", "def add_rmsnorm("), "has no `add_rms_norm`"),
-    Broken("raises", replace("    x32 = x.to(torch.float32)", "    x32 = x.to(torch.float32)\n    raise ValueError('shapes do not match')"), "ValueError: shapes do not match"),
+    *everyday_breakage("    x32 = x.to(torch.float32)", "add_rms_norm"),
     Broken("wrong-shape", replace("return weight * normed.to(x.dtype)", "return (weight * normed.to(x.dtype)).flatten()"), "returned shape"),
     Broken("nan", replace("return weight * normed.to(x.dtype)", "return weight * normed.to(x.dtype) * float('nan')"), "NaN"),
     Broken("calls-exit", replace("    x32 = x.to(torch.float32)", "    exit(1)"), "SystemExit"),
-    Broken("hang", replace("    x32 = x.to(torch.float32)", "    while True:\n        pass\n    x32 = x.to(torch.float32)"), "did not return within"),
 ]

@@ -3,7 +3,7 @@
 Ids match the Pitfalls section of `exercises/m02_thinker_attention.md`.
 """
 
-from checks.harness.mistakes import Broken, Mistake, Variant, append, chain, replace
+from checks.harness.mistakes import Broken, Mistake, Variant, append, chain, everyday_breakage, replace
 
 _ROPE_BOTH = "q, k = _apply_rope(q, cos, sin), _apply_rope(k, cos, sin)"
 _SCORES = 'scores = torch.einsum("thd,shd->hts", q.float(), keys.float()) * D**-0.5'
@@ -193,16 +193,9 @@ VARIANTS.append(
 )
 
 BROKEN = [
-    Broken("syntax-error", replace("    group = H // KVH", "    group = H // KVH)"), "SyntaxError"),
-    Broken("missing-function", replace("def attention_forward(", "def attention("), "has no `attention_forward`"),
-    Broken(
-        "raises",
-        replace("    group = H // KVH", "    group = H // KVH\n    raise RuntimeError('shape mismatch in my code')"),
-        "RuntimeError: shape mismatch in my code",
-    ),
+    *everyday_breakage("    group = H // KVH", "attention_forward"),
     Broken("wrong-shape", replace("return out.reshape(T, H * D) @ w.o_proj.T", "return out.reshape(T, H * D)"), "returned shape"),
     Broken("wrong-dtype", replace("return out.reshape(T, H * D) @ w.o_proj.T", "return (out.reshape(T, H * D) @ w.o_proj.T).double()"), "returned float64"),
     Broken("nan", replace("    probs = scores.softmax(dim=-1)", "    probs = scores.softmax(dim=-1) * float('nan')"), "NaN"),
-    Broken("hang", replace("    group = H // KVH", "    while True:\n        pass\n    group = H // KVH"), "did not return within"),
     Broken("import-error", replace("import torch", "import torch\nimport kvlab_no_such_module"), "ModuleNotFoundError"),
 ]

@@ -3,7 +3,7 @@
 Ids match the Pitfalls section of `exercises/m03_rope.md`.
 """
 
-from checks.harness.mistakes import Broken, Mistake, Variant, append, chain, replace
+from checks.harness.mistakes import Broken, Mistake, Variant, append, chain, everyday_breakage, replace
 
 _HALVES = "return torch.cat((-second, first), dim=-1)"
 _ANGLES = "angles = positions.to(torch.float32)[:, None] * inv_freq.to(torch.float32)[None, :]  # [T, D/2] fp32"
@@ -122,16 +122,9 @@ VARIANTS = [
 ]
 
 BROKEN = [
-    Broken("syntax-error", replace("    return 1.0 / (theta**exponents)", "    return 1.0 / (theta**exponents"), "SyntaxError"),
-    Broken("missing-function", replace("def rotate_half(", "def rotate_halves("), "has no `rotate_half`"),
-    Broken(
-        "raises",
-        replace("    first, second = x.chunk(2, dim=-1)", "    raise IndexError('dimension out of range')\n    first, second = x.chunk(2, dim=-1)"),
-        "IndexError: dimension out of range",
-    ),
+    *everyday_breakage("    first, second = x.chunk(2, dim=-1)", "rotate_half"),
     Broken("half-width-tables", replace("angles = torch.cat((angles, angles), dim=-1)", "angles = angles"), "returned (item 0) shape"),
     Broken("wrong-dtype", replace("return angles.cos().to(dtype), angles.sin().to(dtype)", "return angles.cos(), angles.sin()"), "float32, expected bfloat16"),
     Broken("nan", replace("    return 1.0 / (theta**exponents)", "    return 0.0 / (0 * theta**exponents)"), "NaN"),
     Broken("returns-one-tensor", append("\n_both = apply_rope\n\n\ndef apply_rope(q, k, cos, sin):\n    return _both(q, k, cos, sin)[0]\n"), "expected a tuple of 2 tensors"),
-    Broken("hang", replace("    slot = torch.arange", "    while True:\n        pass\n    slot = torch.arange"), "did not return within"),
 ]

@@ -4,7 +4,7 @@ The patched file imports the reference's m01-m03, so each mutant differs from th
 one place. Ids match the Pitfalls section of `exercises/m04_qwen3_model.md`.
 """
 
-from checks.harness.mistakes import Broken, Mistake, Variant, chain, replace
+from checks.harness.mistakes import Broken, Mistake, Variant, chain, everyday_breakage, replace
 
 _POST_NORM = "normed, hidden = add_rms_norm(attended, hidden, w.post_attention_layernorm, w.eps)  # hidden += attention"
 _HEAD = "return rms_norm(hidden, model.norm, model.eps) @ model.embed_tokens.T  # [T or 1, V]"
@@ -91,18 +91,11 @@ VARIANTS = [
 ]
 
 BROKEN = [
-    Broken("syntax-error", replace("    T = token_ids.shape[0]", "    T = token_ids.shape[0"), "SyntaxError"),
-    Broken("missing-function", replace("def generate_greedy(", "def generate("), "has no `generate_greedy`"),
-    Broken(
-        "raises",
-        replace("    gate = torch", "    raise RuntimeError('mat1 and mat2 shapes cannot be multiplied')\n    gate = torch"),
-        "RuntimeError: mat1 and mat2 shapes cannot be multiplied",
-    ),
+    *everyday_breakage("    T = token_ids.shape[0]", "generate_greedy"),
     Broken("all-logits-always", replace("    if not all_logits:\n", "    if False:\n"), "returned shape"),
     Broken("tokens-as-list", replace("return torch.stack(new_tokens)", "return [int(t) for t in new_tokens]"),
            "returned a list"),
     Broken("nan", replace(_HEAD, "return rms_norm(hidden, model.norm, model.eps) @ model.embed_tokens.T * float('nan')"), "NaN"),
-    Broken("hang", replace("    caches = [KVCache()", "    while True:\n        pass\n    caches = [KVCache()"), "did not return within"),
     Broken("sibling-import-error", replace("from .m03_rope import inverse_frequencies", "from .m03_rope import inverse_frequency"),
            "ImportError"),
 ]

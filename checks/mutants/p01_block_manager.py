@@ -3,7 +3,7 @@
 Ids match the Pitfalls section of `exercises/p01_block_manager.md`.
 """
 
-from checks.harness.mistakes import Broken, Mistake, Variant, chain, replace
+from checks.harness.mistakes import Broken, Mistake, Variant, chain, everyday_breakage, replace
 
 MISTAKES = [
     Mistake(
@@ -111,17 +111,6 @@ VARIANTS = [
 ]
 
 BROKEN = [
-    Broken("syntax-error", replace("        seq.block_table.clear()", "        seq.block_table.clear("), "SyntaxError"),
-    Broken("missing-function", replace("def decode_metadata(", "def decode_meta("), "has no `decode_metadata`"),
-    Broken(
-        "raises",
-        replace("        for block_id in reversed(seq.block_table):", "        raise KeyError('block not found')\n        for block_id in reversed(seq.block_table):"),
-        "`BlockManager.free` raised KeyError",
-    ),
-    Broken(
-        "hang",
-        replace("        prefix_hash, hitting = -1, True", "        while True:\n            pass\n        prefix_hash, hitting = -1, True"),
-        "did not return within",
-    ),
+    *everyday_breakage("        for block_id in reversed(seq.block_table):", "decode_metadata"),
     Broken("wrong-type", replace("        return len(self.free_block_ids) >= seq.num_blocks", "        return int(len(self.free_block_ids) >= seq.num_blocks)"), "expected a bool"),
 ]

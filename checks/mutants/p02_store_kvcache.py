@@ -5,7 +5,7 @@ too, the patch makes it in both versions, so the report names it whichever versi
 Every write a mutant makes lands inside the buffers the checks surround the caches with.
 """
 
-from checks.harness.mistakes import Broken, Mistake, Variant, chain, replace
+from checks.harness.mistakes import Broken, Mistake, Variant, chain, everyday_breakage, replace
 
 MISTAKES = [
     Mistake(
@@ -52,14 +52,7 @@ VARIANTS = [
 ]
 
 BROKEN = [
-    Broken("syntax-error", replace("    ROW = KVH * D\n", "    ROW = KVH * D)\n"), "SyntaxError"),
-    Broken("missing-function", replace("def store_kvcache(\n", "def store_kv_cache(\n"), "has no `store_kvcache`"),
-    Broken(
-        "raises",
-        replace("    ROW = KVH * D\n", "    ROW = KVH * D\n    raise RuntimeError('grid too large')\n"),
-        "RuntimeError: grid too large",
-    ),
-    Broken("hang", replace("    ROW = KVH * D\n", "    while True:\n        pass\n"), "did not return within"),
+    *everyday_breakage("    ROW = KVH * D", "store_kvcache"),
     Broken(
         "input-modified",
         replace("    keep = slot_mapping != -1  # [N]: padding rows (slot -1) store nothing\n", "    keep = slot_mapping != -1\n    key.zero_()\n"),

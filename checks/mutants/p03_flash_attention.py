@@ -4,7 +4,7 @@ Ids match the Pitfalls section of `exercises/p03_flash_attention.md`. A mistake 
 more than one of the three steps is patched into each of them, so the report names it wherever it is.
 """
 
-from checks.harness.mistakes import Broken, Mistake, Variant, chain, replace
+from checks.harness.mistakes import Broken, Mistake, Variant, chain, everyday_breakage, replace
 
 _KERNEL_SUM = "        l_i = alpha * l_i + tl.sum(p, 1)\n"
 _KERNEL_RESCALE = "        acc = acc * alpha[:, None]\n"
@@ -92,17 +92,10 @@ VARIANTS = [
 ]
 
 BROKEN = [
-    Broken("syntax-error", replace("    kv_head = head // GROUP", "    kv_head = head // GROUP)"), "SyntaxError"),
-    Broken("missing-function", replace("def flash_attn_varlen(", "def flash_attention("), "has no `flash_attn_varlen`"),
-    Broken(
-        "raises",
-        replace("    B = cu_seqlens_q.shape[0] - 1", "    B = cu_seqlens_q.shape[0] - 1\n    raise RuntimeError('grid too big')"),
-        "RuntimeError: grid too big",
-    ),
+    *everyday_breakage("    B = cu_seqlens_q.shape[0] - 1", "flash_attn_varlen"),
     Broken("wrong-shape", replace("return (out, lse) if return_lse else out", "return (out, lse) if return_lse else out[:, 0]"),
            "returned shape"),
     Broken("nan", replace("o_tile = acc / tl.where(", "o_tile = float('nan') * acc / tl.where("), "NaN"),
-    Broken("hang", replace("    B = cu_seqlens_q.shape[0] - 1", "    while True:\n        pass"), "did not return within"),
     Broken("arange-not-power-of-two", replace("offs_n = tl.arange(0, BLOCK_N)", "offs_n = tl.arange(0, BLOCK_N - 1)"),
            "power of 2"),
     Broken("import-error", replace("import torch\n", "import torch\nimport kvlab_no_such_module\n"), "ModuleNotFoundError"),

@@ -4,7 +4,7 @@ Ids match the Pitfalls section of `exercises/p04_paged_decode.md`. Every mutant 
 cache really has (the Triton interpreter has no bounds checks: a wild read ends the whole process).
 """
 
-from checks.harness.mistakes import Broken, Mistake, Variant, chain, replace
+from checks.harness.mistakes import Broken, Mistake, Variant, chain, everyday_breakage, replace
 
 MISTAKES = [
     Mistake(
@@ -61,16 +61,9 @@ VARIANTS = [
 ]
 
 BROKEN = [
-    Broken("syntax-error", replace("    group = H // KVH", "    group = H // KVH)"), "SyntaxError"),
-    Broken("missing-function", replace("def paged_decode(", "def decode("), "has no `paged_decode`"),
-    Broken(
-        "raises",
-        replace("    group = H // KVH", "    group = H // KVH\n    raise RuntimeError('block table too short')"),
-        "RuntimeError: block table too short",
-    ),
+    *everyday_breakage("    group = H // KVH", "paged_decode"),
     Broken("wrong-shape", replace("    return out\n\n\ndef paged_decode(", "    return out[:, 0]\n\n\ndef paged_decode("),
            "returned shape"),
     Broken("nan", replace("o_tile = acc / tl.where(", "o_tile = float('nan') * acc / tl.where("), "NaN"),
-    Broken("hang", replace("    group = H // KVH", "    while True:\n        pass"), "did not return within"),
     Broken("import-error", replace("import torch\n", "import torch\nimport kvlab_no_such_module\n"), "ModuleNotFoundError"),
 ]
