@@ -7,21 +7,23 @@ Run through `./check.sh` (which adds the report); plain pytest works too:
 import os
 import random
 import sys
-import zlib
+from pathlib import Path
 
 import pytest
 import torch
 
 # Triton kernels run in its CPU interpreter when there is no GPU. The switch is read when a kernel is
-# decorated, i.e. when a learner's module is imported, so it is set here, before any check runs
-# (./check.sh sets it too, for the same reason).
+# decorated, i.e. when a module is imported (by the worker, or by a replay of a mutant here), so it is
+# set before anything starts (./check.sh sets it too, for the same reason).
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from checks.harness.guard import Guarded
+from checks.harness.cases import case_seed, module_stem
+from checks.harness.guard import Guarded, Runs
 from checks.harness.loader import Implementation, named
 from checks.harness.mistakes import catalogue
 from checks.harness.report import Reporter
+from checks.harness.worker import DEFAULT_MEMORY_LIMIT
 
 sys.dont_write_bytecode = True  # sibling imports in a checked folder must not leave __pycache__ there
 
@@ -35,6 +37,11 @@ def pytest_addoption(parser):
                     help="mine (default), solutions, a folder with the same file names, or mutants/variants/broken")
     group.addoption("--seed", type=int, default=None, help="base seed of every case (default: random, printed)")
     group.addoption("--time-limit", type=float, default=10.0, help="seconds one learner call may take")
+    group.addoption("--memory-limit", type=float, default=DEFAULT_MEMORY_LIMIT / 2**30,
+                    help="GiB of memory the worker running learner code may use")
+    group.addoption("--sandbox", action="append", default=None, metavar="WRITABLE",
+                    help="run the worker inside bubblewrap, WRITABLE its one writable folder (./check.sh grade)")
+    group.addoption("--quiet-worker", action="store_true", help="drop what learner code prints")
 
 
 def pytest_configure(config):
@@ -42,10 +49,35 @@ def pytest_configure(config):
     config.kvlab_seed = random.randrange(10_000) if seed is None else seed
     if not config.pluginmanager.has_plugin("kvlab-reporter"):
         config.pluginmanager.register(Reporter(config, render=False), "kvlab-reporter")
+    if config.pluginmanager.has_plugin("kvlab-workers") or not hasattr(config.option, "time_limit"):
+        return
+    # Started now, so the worker side imports torch while this process collects the checks.
+    args = " ".join(map(str, config.args))
+    triton = "test_p" in args or not any("test_" in a for a in map(str, config.args))
+    sandbox = config.getoption("--sandbox")
+    runs = Runs(triton=triton, cuda=torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1",
+                memory_limit=int(config.getoption("--memory-limit") * 2**30),
+                sandbox_writable=[Path(p) for p in sandbox] if sandbox else None,
+                quiet=config.getoption("--quiet-worker"))
+    if not all("selftests" in a for a in map(str, config.args)):  # the kit's self-tests check no module here
+        runs.start()
+    config.kvlab_runs = runs
+    config.pluginmanager.register(_CloseRuns(runs), "kvlab-workers")
 
 
-def module_stem(module) -> str:
-    return module.__name__.rsplit(".", 1)[-1].removeprefix("test_")
+class _CloseRuns:
+    """Ends each module's workers when its checks are done, and the fork server with the session."""
+
+    def __init__(self, runs: Runs):
+        self.runs = runs
+
+    @pytest.hookimpl(trylast=True)
+    def pytest_runtest_teardown(self, item, nextitem):
+        if nextitem is None or nextitem.module is not item.module:
+            self.runs.close_module(module_stem(item.module))
+
+    def pytest_unconfigure(self, config):
+        self.runs.close()
 
 
 def implementations(config, stem: str) -> list[Implementation]:
@@ -67,29 +99,12 @@ def pytest_generate_tests(metafunc):
 
 @pytest.fixture
 def impl(request) -> Guarded:
-    """The implementation under check, every call guarded (see harness/guard.py)."""
-    return Guarded(request.param, module_stem(request.module), request.module.CONTRACTS,
-                   request.config.getoption("--time-limit"))
-
-
-def case_id(item) -> str:
-    """The case's parameters without the implementation (`fp32-H8-KVH2`), the same for every impl."""
-    callspec = getattr(item, "callspec", None)
-    if callspec is None:
-        return ""
-    label = callspec.params["impl"].label if "impl" in callspec.params else None
-    parts = callspec.id
-    if label is not None:
-        for cut in (f"-{label}", f"{label}-", label):
-            if parts.endswith(cut) or parts.startswith(cut):
-                parts = parts[: -len(cut)] if parts.endswith(cut) else parts[len(cut):]
-                break
-    return parts
-
-
-def case_seed(item) -> int:
-    name = f"{item.module.__name__}::{item.originalname}[{case_id(item)}]"
-    return zlib.crc32(f"{item.config.kvlab_seed}:{name}".encode()) % 1_000_000
+    """The implementation under check: its code runs in a worker process, every call guarded (guard.py)."""
+    stem, time_limit = module_stem(request.module), request.config.getoption("--time-limit")
+    run = request.config.kvlab_runs.run(request.param, stem, time_limit)
+    guarded = Guarded(run, stem, request.module.CONTRACTS, time_limit)
+    yield guarded
+    run.end_check()
 
 
 @pytest.fixture

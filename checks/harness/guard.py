@@ -1,32 +1,38 @@
-"""The learner's module as the checks see it: every call is time-limited, checked and recorded.
+"""The learner's module as the checks see it: every call crosses to a worker, is checked and recorded.
 
-A check never calls learner code directly. It asks the `impl` fixture (a `Guarded`) for a public name
-and gets a wrapper that
-- turns `NotImplementedError` into `NotStarted`, and any other exception, a hang past the time limit,
-  a missing name or a file that does not import into a `LearnerError` with a one-line reason;
+A check never calls learner code, and never holds a learner object. It asks the `impl` fixture (a
+`Guarded`) for a public name and gets a wrapper that sends the call to the worker process of this
+module run (`worker.py`), then
+- turns `NotImplementedError` into `NotStarted`, and any other exception, a hang past the time limit
+  (the worker is killed), a worker that exits or dies, a missing name or a file that does not import
+  into a `LearnerError` with a one-line reason;
 - checks the returned value against the module's contract (type, shape, dtype, device, finite);
-- checks that no input was changed in place (tensors, tensors held by argument objects, and chunks
-  already in a cache; a cache may grow), except the arguments a `Writes` contract names;
+- reports an input the call changed in place (tensors, tensors held by argument objects, and chunks
+  already in a cache; a cache may grow), except the arguments a `Writes` contract names: those come
+  back from the worker and are copied into the check's own tensors;
 - records the call so that, when a check fails, the same calls can be replayed on every mutant of the
   reference to name the mistake the learner's output matches (see `mistakes.py`).
 
-A class the learner writes (one not in `stubs.GIVEN_CLASSES`, e.g. p01's `BlockManager`) is made through
-the same wrapper, and its objects come back as an `Instance`: each public method call is guarded and
-recorded like a function call (named `Class.method` in reasons), and attributes read through.
+Arguments travel as copies, so nothing the worker does can change the check's own inputs or its
+expected values. Objects the learner's classes make (`KVCache`, `BlockManager`, `Sequence`...) stay
+in the worker; the check holds a `Remote` whose method calls are guarded like function calls (named
+`Class.method`) and whose attributes are read from the worker. The check's own values that are not
+plain data (weights dataclasses, namespaces) arrive as records with the same fields, and its callables
+(a `trace`, a `hash_block`) are called back in the checks' process while the call runs.
 """
 
-import inspect
-import signal
-import traceback
-from collections import deque
-from collections.abc import Callable
+import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
-from .loader import Implementation, LoadError, display, last_line_in
-from .stubs import GIVEN_CLASSES
+from . import wire
+from .loader import Implementation, display
+from .values import copy_with_layout, whole_storage
+from .worker import DEFAULT_MEMORY_LIMIT, ForkServer, Overran, Session, WorkerGone
+
+IMPORT_TIME_LIMIT = 30.0  # seconds; importing torch inside a learner's file is already paid for
 
 
 class NotStarted(Exception):
@@ -42,10 +48,6 @@ class LearnerError(Exception):
     def __init__(self, reason: str, identifiable: bool = False):
         super().__init__(reason)
         self.identifiable = identifiable
-
-
-class TimeLimitReached(BaseException):  # BaseException: a learner's `except Exception` cannot swallow it
-    pass
 
 
 @dataclass(frozen=True)
@@ -95,105 +97,214 @@ class New:
     kwargs: dict = field(default_factory=dict)
 
 
+# ---- the check's side of the wire -------------------------------------------------------------------
+
+
+class Remote:
+    """An object that lives in the worker (made by the learner's code), as the check holds it."""
+
+    def __init__(self, session: "ModuleRun", handle: int, generation: int, class_name: str, kind: str):
+        self._session, self._handle, self._generation = session, handle, generation
+        self._class_name, self._kind = class_name, kind
+
+    def __getattr__(self, name: str):
+        if name.startswith("__"):
+            raise AttributeError(name)
+        value = self._session.ask(("getattr", self, name), f"`{self._class_name}.{name}`")
+        if isinstance(value, Remote) and value._kind == "function":
+            qualified = f"{self._class_name}.{name}"
+            return lambda *args, **kwargs: self._session.guarded.call(qualified, value, args, kwargs, owner=self)
+        return value
+
+    def __len__(self) -> int:
+        value = self._session.ask(("len", self), f"len(`{self._class_name}`)")
+        if type(value) is not int or value < 0:
+            raise LearnerError(f"len() of a `{self._class_name}` returned {value!r}, expected an int >= 0")
+        return value
+
+    def __bool__(self) -> bool:
+        return True
+
+    def __repr__(self) -> str:
+        return f"<{self._class_name} in the worker>"
+
+
+class ParentCodec(wire.Codec):
+    def __init__(self, run: "ModuleRun"):
+        super().__init__()
+        self.run = run
+        self.callbacks = run.callbacks  # the worker may call one back later (a hash function a manager keeps)
+
+    def other(self, value):
+        if isinstance(value, Remote):
+            if value._session is not self.run or value._generation != self.run.session.generation:
+                raise LearnerError(f"a `{value._class_name}` made in a worker process that has ended since")
+            return ("R", value._handle)
+        if dataclasses.is_dataclass(value) or hasattr(value, "__dict__") and not callable(value):
+            fields = vars(value)
+            return ("O", type(value).__name__, [(k, self.encode(v)) for k, v in fields.items()])
+        if callable(value):
+            self.callbacks.append(value)
+            return ("F", len(self.callbacks) - 1)
+        raise wire.WireError(f"a {type(value).__name__} cannot be sent to the worker")
+
+    def decode_other(self, tag: str, rest: tuple):
+        if tag == "H" and len(rest) == 3 and type(rest[0]) is int and all(type(r) is str for r in rest[1:]):
+            return self.run.remote(*rest)
+        raise wire.WireError(f"unknown value {tag!r}")
+
+
+class ModuleRun:
+    """One implementation's module in its worker, for a whole run (every check of the module)."""
+
+    def __init__(self, server: ForkServer, impl: Implementation, stem: str, time_limit: float):
+        self.impl, self.stem, self.time_limit = impl, stem, time_limit
+        self.session = Session(server, impl.spec(stem), ParentCodec, IMPORT_TIME_LIMIT)
+        self.session.codec_for = lambda session: ParentCodec(self)
+        self.remotes: dict[tuple[int, int], Remote] = {}
+        self.callbacks: list = []  # the check's callables the worker holds, by number
+        self.guarded: Guarded | None = None  # the check running now
+
+    def remote(self, handle: int, class_name: str, kind: str) -> Remote:
+        key = (self.session.generation, handle)
+        found = self.remotes.get(key)
+        if found is None:
+            found = self.remotes[key] = Remote(self, handle, self.session.generation, class_name, kind)
+        return found
+
+    def names(self) -> dict:
+        try:
+            loaded = self.session.ensure()
+        except (Overran, WorkerGone) as error:
+            raise LearnerError(str(error).replace("importing it", f"importing {self.impl.shown_path(self.stem)}"))
+        if loaded[0] != "loaded":
+            raise LearnerError(loaded[1])
+        return loaded[1]
+
+    def ask(self, message, what: str):
+        """A request that runs learner code (an attribute, a length): its value, or a `LearnerError`."""
+        reply = self.exchange(message, what)
+        if reply[0] == "value":
+            return reply[1]
+        raise LearnerError(reply[1])
+
+    def exchange(self, message, what: str):
+        self.names()
+        try:
+            reply = self.session.request(message, self.time_limit, what)
+        except (Overran, WorkerGone) as error:
+            raise LearnerError(str(error)) from None
+        if reply[0] == "not-started":
+            raise NotStarted(reply[1])
+        if reply[0] in ("raised", "load-error"):
+            raise LearnerError(reply[1])
+        return reply
+
+    def end_check(self) -> None:
+        self.session.forget()
+        self.remotes = {k: v for k, v in self.remotes.items() if v._kind != "object"}
+        self.callbacks.clear()
+
+    def close(self) -> None:
+        self.session.end()
+
+
+class Runs:
+    """Every module run of this pytest session, over one fork server."""
+
+    def __init__(self, *, triton: bool, cuda: bool, memory_limit: int = DEFAULT_MEMORY_LIMIT,
+                 sandbox_writable: list[Path] | None = None, quiet: bool = False):
+        self.server = ForkServer(triton=triton, cuda=cuda, memory_limit=memory_limit,
+                                 sandbox_writable=sandbox_writable, quiet=quiet)
+        self.runs: dict[tuple[str, str], ModuleRun] = {}
+
+    def start(self) -> None:
+        self.server.start()
+
+    def run(self, impl: Implementation, stem: str, time_limit: float) -> ModuleRun:
+        key = (impl.label, stem)
+        if key not in self.runs:
+            self.runs[key] = ModuleRun(self.server, impl, stem, time_limit)
+        return self.runs[key]
+
+    def close_module(self, stem: str) -> None:
+        for key in [k for k in self.runs if k[1] == stem]:
+            self.runs.pop(key).close()
+
+    def close(self) -> None:
+        for run in self.runs.values():
+            run.close()
+        self.runs.clear()
+        self.server.stop()
+
+
+# ---- the guard ------------------------------------------------------------------------------------
+
 _hung: set[tuple[str, str]] = set()  # (implementation label, function): a hang is reported once
 
 
-def run_with_time_limit(fn: Callable, seconds: float, *args, **kwargs):
-    def on_alarm(signum, frame):
-        raise TimeLimitReached
-
-    previous = signal.signal(signal.SIGALRM, on_alarm)
-    signal.setitimer(signal.ITIMER_REAL, seconds)
-    try:
-        return fn(*args, **kwargs)
-    finally:
-        signal.setitimer(signal.ITIMER_REAL, 0)
-        signal.signal(signal.SIGALRM, previous)
-
-
 class Guarded:
-    def __init__(self, impl: Implementation, stem: str, contracts: dict, time_limit: float):
-        self.impl, self.stem, self.contracts, self.time_limit = impl, stem, contracts, time_limit
-        self.path = impl.shown_path(stem)
+    def __init__(self, run: ModuleRun, stem: str, contracts: dict, time_limit: float):
+        self.run, self.stem, self.contracts, self.time_limit = run, stem, contracts, time_limit
+        self.impl = run.impl
+        self.path = self.impl.shown_path(stem)
         self.events: list[Call | New] = []
         self.made: set[int] = set()
-
-    def module(self):
-        try:
-            return self.impl.load(self.stem)
-        except LoadError as error:
-            raise LearnerError(str(error)) from None
+        run.guarded = self
 
     def __getattr__(self, name: str):
         if name.startswith("_"):
             raise AttributeError(name)
-        module = self.module()
-        if not hasattr(module, name):
+        names = self.run.names()
+        if name not in names:
             raise LearnerError(f"{self.path} has no `{name}`: the checks call it by that name")
-        obj = getattr(module, name)
-        if isinstance(obj, type):
-            return self._maker(name, obj)
-        if callable(obj):
-            return self._caller(name, obj)
-        return obj
+        value = names[name]
+        if isinstance(value, Remote) and value._kind == "class":
+            return lambda *args, **kwargs: self.call(name, value, args, kwargs, making=True)
+        if isinstance(value, Remote) and value._kind == "function":
+            return lambda *args, **kwargs: self.call(name, value, args, kwargs)
+        return value
 
     def start_over(self) -> None:
         """Forget the calls recorded so far: a property test's examples are independent, and only the
         last one's calls (the shrunk failing example) are replayed to name a mistake."""
         self.events.clear()
 
-    def _maker(self, name: str, cls: type):
-        def make(*args, **kwargs):
-            try:
-                obj = cls(*args, **kwargs)
-            except NotImplementedError:
-                raise NotStarted(f"{self.path}: `{name}(...)` raises NotImplementedError") from None
-            except (Exception, SystemExit) as error:  # noqa: BLE001
-                raise LearnerError(f"creating `{name}` raised {describe(error, self.impl, self.stem)}")
-            self.made.add(id(obj))
-            recorded_kwargs = {k: self._snapshot(v) for k, v in kwargs.items()}
-            self.events.append(New(name, obj, tuple(self._snapshot(a) for a in args), recorded_kwargs))
-            return obj if name in GIVEN_CLASSES else Instance(self, name, obj)
-
-        return make
-
-    def _caller(self, name: str, fn: Callable):
-        def call(*args, **kwargs):
-            return self.call(name, fn, args, kwargs)
-
-        return call
-
-    def call(self, name: str, fn: Callable, args: tuple, kwargs: dict, owner: object = None):
+    def call(self, name: str, target: Remote, args: tuple, kwargs: dict, owner: Remote | None = None,
+             making: bool = False):
         if (self.impl.label, name) in _hung:
             raise LearnerError(f"not run: `{name}` hung in an earlier check (time limit {self.time_limit:g} s)")
-        args = tuple(unwrapped(a) for a in args)
-        kwargs = {k: unwrapped(v) for k, v in kwargs.items()}
         contract = self.contracts.get(name)
         expected = None if contract is None else contract(*args, **kwargs)  # reads shapes and dtypes only
         writes = expected if isinstance(expected, Writes) else Writes()
-        names = argument_names(fn, args, kwargs)
-        before = {arg: leaves(value) for arg, value in names.items() if not writes.includes(value)}
-        recorded_args = tuple(self._snapshot(a) for a in args)
-        recorded_kwargs = {k: self._snapshot(v) for k, v in kwargs.items()}
+        arguments = [*enumerate(args), *kwargs.items()]
+        write_keys = [key for key, value in arguments if writes.includes(value)]
+        recorded_args = tuple(snapshot(a) for a in args)
+        recorded_kwargs = {k: snapshot(v) for k, v in kwargs.items()}
         try:
-            result = run_with_time_limit(fn, self.time_limit, *args, **kwargs)
-        except TimeLimitReached:
-            _hung.add((self.impl.label, name))
-            raise LearnerError(
-                f"`{name}` did not return within {self.time_limit:g} s (an endless loop?)"
-            ) from None
-        except NotImplementedError as error:
-            raise NotStarted(not_started_reason(error, self.impl, self.stem, name)) from None
-        except (Exception, SystemExit) as error:  # noqa: BLE001 - exit() too: the other checks must still run
-            raise LearnerError(f"`{name}` raised {describe(error, self.impl, self.stem)}") from None
-        involved = [v for v in names.values() if id(v) in self.made] + ([owner] if owner is not None else [])
-        states = {id(v): leaves(v) for v in involved}
-        data = {id(v): plain(v) for v in involved}
-        written = {key: copy_with_layout(value) for key, value in [*enumerate(args), *kwargs.items()]
-                   if writes.includes(value)}
-        changed = changed_input(before, names)
-        self.events.append(Call(name, recorded_args, recorded_kwargs, detach(result), states, changed, data,
-                                written, None if owner is None else id(owner)))
+            reply = self.run.exchange(("call", target, name, args, kwargs, write_keys), f"`{name}`")
+        except LearnerError as error:
+            if "did not return within" in str(error):
+                _hung.add((self.impl.label, name))
+            raise
+        if reply[0] != "returned" or len(reply) != 6:
+            raise LearnerError(f"`{name}`: the worker sent an unexpected reply")
+        _, result, changed, states, data, written = reply
+        if making:
+            if not isinstance(result, Remote):
+                raise LearnerError(f"`{name}(...)` did not make an object")
+            self.made.add(id(result))
+            self.events.append(New(name, result, recorded_args, recorded_kwargs))
+            return result
+        after = {}
+        for key, value in arguments:
+            if key in write_keys:
+                copy_back(value, written.get(key), name, key)
+                after[key] = copy_with_layout(value)
+        by_id = {id(self.run.remote(h, "", "object")): s for h, s in states.items()} if states else {}
+        data_by_id = {id(self.run.remote(h, "", "object")): d for h, d in data.items()} if data else {}
+        self.events.append(Call(name, recorded_args, recorded_kwargs, snapshot(result), by_id, changed, data_by_id,
+                                after, None if owner is None else id(owner)))
         if changed is not None:
             raise LearnerError(f"`{name}` changed its input `{changed}` in place", identifiable=True)
         if expected is not None and not isinstance(expected, Writes):
@@ -202,141 +313,23 @@ class Guarded:
                 raise LearnerError(f"`{name}` {problem}", identifiable=True)
         return result
 
-    def _snapshot(self, value):
-        if isinstance(value, torch.Tensor):
-            return copy_with_layout(value)
-        return value  # objects the learner made are matched by identity; others are left untouched
 
-
-class Instance:
-    """An object of a class the learner writes, as the checks see it: public method calls go through
-    `Guarded.call` (named `Class.method`), and attributes read through to the object itself."""
-
-    def __init__(self, guarded: Guarded, class_name: str, obj: object):
-        self._guarded, self._class_name, self._obj = guarded, class_name, obj
-
-    def __getattr__(self, name: str):
-        try:
-            value = getattr(self._obj, name)
-        except Exception as error:  # noqa: BLE001 - a missing attribute is the learner's to see
-            raise LearnerError(f"`{self._class_name}` object has no `{name}`: the checks read it "
-                               f"({type(error).__name__})") from None
-        if name.startswith("_") or not inspect.ismethod(value):
-            return value
-        qualified = f"{self._class_name}.{name}"
-        return lambda *args, **kwargs: self._guarded.call(qualified, value, args, kwargs, owner=self._obj)
-
-    def __repr__(self) -> str:
-        return f"<{self._class_name} (guarded)>"
-
-
-def unwrapped(value):
-    """The learner's own object behind an `Instance` (learner code never sees the wrapper)."""
-    return value._obj if isinstance(value, Instance) else value
-
-
-def copy_with_layout(t: torch.Tensor) -> torch.Tensor:
-    """A copy that keeps `t`'s strides and storage offset, and whatever lies around it in its storage:
-    a replay must see a non-contiguous slice as a slice, and a write outside a view must land in a copy
-    of the buffer the check surrounded it with, not in foreign memory."""
-    t = t.detach()
-    storage = t.untyped_storage().clone()
-    return torch.empty(0, dtype=t.dtype, device=t.device).set_(storage, t.storage_offset(), t.size(), t.stride())
-
-
-def whole_storage(t: torch.Tensor) -> torch.Tensor:
-    """All of `t`'s storage as one flat tensor of its dtype (to compare what a write did around a view)."""
-    n = t.untyped_storage().nbytes() // t.element_size()
-    return torch.empty(0, dtype=t.dtype, device=t.device).set_(t.untyped_storage(), 0, (n,), (1,))
-
-
-_SKIP = object()  # a value `plain` leaves out (tensors, functions, ...)
-
-
-def plain(obj, depth: int = 1) -> dict:
-    """The public plain data of an object: numbers, strings, and lists, sets and dicts of them, and the
-    same of objects it holds, `depth` levels down. A replay compares it exactly (tensors go to `leaves`)."""
-    found = {}
-    for attr, item in getattr(obj, "__dict__", {}).items():
-        value = _plain_value(item, depth)
-        if not attr.startswith("_") and value is not _SKIP:
-            found[attr] = value
-    return found
-
-
-def _plain_value(value, depth: int):
-    if value is None or isinstance(value, (bool, int, float, str)):
-        return value
-    if isinstance(value, (list, tuple, deque, set, frozenset)):
-        items = [_plain_value(v, depth) for v in value]
-        if any(v is _SKIP for v in items):
-            return _SKIP
-        return sorted(items, key=repr) if isinstance(value, (set, frozenset)) else items
-    if isinstance(value, dict):
-        items = {k: _plain_value(v, depth) for k, v in value.items()}
-        return _SKIP if any(v is _SKIP for v in items.values()) else items
-    if depth > 0 and hasattr(value, "__dict__") and not callable(value) and not isinstance(value, torch.Tensor):
-        return plain(value, depth - 1)
-    return _SKIP
-
-
-def argument_names(fn: Callable, args: tuple, kwargs: dict) -> dict[str, object]:
-    try:
-        bound = inspect.signature(fn).bind(*args, **kwargs)
-        return dict(bound.arguments)
-    except (TypeError, ValueError):
-        named = {f"argument {i + 1}": a for i, a in enumerate(args)}
-        named.update(kwargs)
-        return named
-
-
-def leaves(value) -> dict[str, torch.Tensor]:
-    """Clones of the tensors in `value`: itself, or its attributes and the items of list attributes."""
+def snapshot(value):
     if isinstance(value, torch.Tensor):
-        return {"": value.detach().clone()}
-    found = {}
-    for attr, item in getattr(value, "__dict__", {}).items():
-        if isinstance(item, torch.Tensor):
-            found[f".{attr}"] = item.detach().clone()
-        elif isinstance(item, (list, tuple)):
-            for i, element in enumerate(item):
-                if isinstance(element, torch.Tensor):
-                    found[f".{attr}[{i}]"] = element.detach().clone()
-    return found
+        return copy_with_layout(value)
+    if type(value) is tuple:
+        return tuple(snapshot(v) for v in value)
+    return value  # objects in the worker are matched by identity; others are left untouched
 
 
-def changed_input(before: dict[str, dict], names: dict[str, object]) -> str | None:
-    """The first argument (or tensor inside one) that differs from its copy taken before the call."""
-    for arg, snapshot in before.items():
-        path = first_change(snapshot, leaves(names[arg]))
-        if path is not None:
-            return arg + path
-    return None
-
-
-def first_change(before: dict[str, torch.Tensor], after: dict[str, torch.Tensor]) -> str | None:
-    for path, old in before.items():
-        new = after.get(path)
-        if new is None or not same(old, new):
-            return path
-    return None
-
-
-def same(a: torch.Tensor, b: torch.Tensor) -> bool:
-    if a.shape != b.shape or a.dtype != b.dtype:
-        return False
-    equal = a == b
-    if a.is_floating_point():
-        equal |= torch.isnan(a) & torch.isnan(b)
-    return bool(equal.all())
-
-
-def detach(result):
-    if isinstance(result, torch.Tensor):
-        return result.detach().clone()
-    if isinstance(result, tuple):
-        return tuple(detach(r) for r in result)
-    return result
+def copy_back(target: torch.Tensor, written, name: str, key) -> None:
+    """What the worker wrote into a `Writes` argument, into the check's own tensor (its whole storage)."""
+    where = f"argument {key + 1}" if isinstance(key, int) else f"`{key}`"
+    if not isinstance(written, torch.Tensor) or written.dtype != target.dtype or written.shape != target.shape \
+            or written.untyped_storage().nbytes() != target.untyped_storage().nbytes():
+        raise LearnerError(f"`{name}` replaced its {where} instead of writing into it")
+    with torch.no_grad():
+        whole_storage(target).copy_(whole_storage(written))
 
 
 def contract_problem(result, expected) -> str | None:
@@ -350,7 +343,8 @@ def contract_problem(result, expected) -> str | None:
                 return problem.replace("returned", f"returned (item {i})", 1)
         return None
     if not isinstance(result, torch.Tensor):
-        return f"returned a {type(result).__name__}, expected a tensor {expected.shape_text}"
+        kind = result._class_name if isinstance(result, Remote) else type(result).__name__
+        return f"returned a {kind}, expected a tensor {expected.shape_text}"
     if tuple(result.shape) != expected.shape:
         return f"returned shape {list(result.shape)}, expected {list(expected.shape)} = {expected.shape_text}"
     if result.dtype != expected.dtype:
@@ -369,24 +363,4 @@ def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def not_started_reason(error: NotImplementedError, impl: Implementation, stem: str, name: str) -> str:
-    """`<file>: `name` raises NotImplementedError`, naming the sibling module that raised it when the
-    function runs on another of the learner's files (m04 runs on their m01-m03) that is still a stub."""
-    frames = traceback.extract_tb(error.__traceback__)
-    raiser = Path(frames[-1].filename) if frames else None
-    if raiser is None or frames[-1].filename.startswith(str(impl.path(stem))) or raiser.parent != impl.folder:
-        return f"{impl.shown_path(stem)}: `{name}` raises NotImplementedError"
-    return (f"{impl.shown_path(stem)}: `{name}` reaches `{frames[-1].name}` in {display(raiser)}, which raises "
-            f"NotImplementedError: finish {raiser.stem.split('_')[0]} first")
-
-
-def describe(error: BaseException, impl: Implementation, stem: str) -> str:
-    """`TypeError: message (mine/m02_thinker_attention.py line 57)`, the learner's deepest line."""
-    message = str(error).strip().splitlines()[0] if str(error).strip() else ""
-    line = last_line_in(error.__traceback__, impl.source_name(stem))
-    if line is None:  # raised from a helper file the learner imported: point at the deepest frame
-        frames = traceback.extract_tb(error.__traceback__)
-        where = f" ({frames[-1].filename.rsplit('/', 1)[-1]} line {frames[-1].lineno})" if frames else ""
-    else:
-        where = f" ({impl.shown_path(stem)} line {line})"
-    return f"{type(error).__name__}: {message}{where}".replace(": (", " (")
+__all__ = ["Call", "Guarded", "LearnerError", "New", "NotStarted", "Remote", "Returns", "Runs", "Writes", "display"]

@@ -13,6 +13,8 @@ import os
 
 import torch
 
+from .loading import repair_bf16_dot
+
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 DEVICE = torch.device("cuda" if torch.cuda.is_available() and not INTERPRETED else "cpu")
 
@@ -26,25 +28,5 @@ def verified_on() -> str:
     return f"CPU (Triton {triton.__version__} interpreter)"
 
 
-def _repair_bf16_dot() -> None:
-    from triton import language as tl
-    from triton.runtime import interpreter
-
-    builder = interpreter.InterpreterBuilder
-    if getattr(builder.create_dot, "kvlab_repaired", False):
-        return
-    original = builder.create_dot
-
-    def create_dot(self, a, b, d, *args, **kwargs):
-        if a.dtype == tl.bfloat16:
-            a = self.cast_impl(a, tl.float32)
-        if b.dtype == tl.bfloat16:
-            b = self.cast_impl(b, tl.float32)
-        return original(self, a, b, d, *args, **kwargs)
-
-    create_dot.kvlab_repaired = True
-    builder.create_dot = create_dot
-
-
 if INTERPRETED:
-    _repair_bf16_dot()
+    repair_bf16_dot()

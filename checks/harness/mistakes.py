@@ -17,6 +17,7 @@ compares results, tensors written into arguments, and the plain data of the obje
 """
 
 import importlib
+import signal
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import cache
@@ -24,19 +25,9 @@ from functools import cache
 import torch
 
 from .compare import TOLERANCES, close_enough
-from .guard import (
-    Call,
-    New,
-    argument_names,
-    changed_input,
-    copy_with_layout,
-    leaves,
-    plain,
-    run_with_time_limit,
-    same,
-    whole_storage,
-)
+from .guard import Call, New, Remote
 from .loader import ROOT, Implementation
+from .values import argument_names, changed_input, copy_with_layout, leaves, plain, same, whole_storage
 
 Patch = Callable[[str], str]
 
@@ -67,6 +58,25 @@ def chain(*patches: Patch) -> Patch:
         return source
 
     return patch
+
+
+class TimeLimitReached(BaseException):  # BaseException: a mutant's `except Exception` cannot swallow it
+    pass
+
+
+def run_with_time_limit(fn: Callable, seconds: float, *args, **kwargs):
+    """The kit's own code (a mutant in a replay) under a time limit; learner code never runs here."""
+
+    def on_alarm(signum, frame):
+        raise TimeLimitReached
+
+    previous = signal.signal(signal.SIGALRM, on_alarm)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        return fn(*args, **kwargs)
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
 
 
 @dataclass(frozen=True)
@@ -195,6 +205,8 @@ def _fresh(value, made: dict):
         return copy_with_layout(value)
     if isinstance(value, (list, tuple)) and not hasattr(value, "_fields"):  # not a NamedTuple
         return type(value)(_fresh(v, made) for v in value)
+    if isinstance(value, Remote) and id(value) not in made:
+        raise KeyError("an object the replay did not make")  # never hand a learner's object to a mutant
     return made.get(id(value), value)
 
 

@@ -13,6 +13,7 @@ from dataclasses import asdict, dataclass, field
 import pytest
 import torch
 
+from .cases import case_id, case_seed, module_stem
 from .compare import Mismatch
 from .guard import LearnerError, NotStarted
 from .mistakes import catalogue, identify
@@ -62,8 +63,6 @@ class Reporter:
                 report.longrepr = result.reason  # keep pytest's own output short if it is shown at all
 
     def classify(self, item, call, report) -> Result:
-        from checks.conftest import case_id, case_seed, module_stem  # conftest imports this module
-
         stem = module_stem(item.module)
         params = item.callspec.params if hasattr(item, "callspec") else {}
         impl = params["impl"].label if "impl" in params else ""

@@ -1,0 +1,171 @@
+"""Importing an implementation folder (`mine/`, `solutions/`, a student's folder, or a mutant), and
+saying in one line where its code failed.
+
+Each folder gets a package of its own whose `__path__` is the folder, so two folders never share
+modules, a file may import its siblings (`from .m01_rmsnorm import rms_norm`), and nothing is written
+anywhere (no `__pycache__` in the learner's folder). A file that cannot be imported becomes a
+`LoadError` whose message is one line naming the file and the line.
+
+The worker process imports learner code with this module (it imports only the standard library, so
+the worker runs it as shipped text); the checks' process uses it for the kit's own code only (the
+catalogue's mutants when a mistake is named, the reference when the book is built).
+"""
+
+import itertools
+import linecache
+import sys
+import traceback
+import types
+from pathlib import Path
+
+sys.dont_write_bytecode = True  # sibling imports in a checked folder must not leave __pycache__ there
+
+
+class LoadError(Exception):
+    """The implementation file is missing or cannot be imported; the message is the report's reason."""
+
+
+class Package:
+    """One implementation folder as a package. `shown` is how reports name the folder (`mine`,
+    `path/to/student`); `patch` = (stem, source) replaces one file's text (a mutant of the reference)
+    and `label` names that patched text in tracebacks and in `inspect`."""
+
+    def __init__(self, folder: str, shown: str, patch: tuple[str, str] | None = None, label: str = ""):
+        self.folder, self.shown, self.patch, self.label = Path(folder), shown, patch, label
+        self._modules: dict[str, types.ModuleType | LoadError] = {}
+        self._package: types.ModuleType | None = None
+
+    def path(self, stem: str) -> Path:
+        return self.folder / f"{stem}.py"
+
+    def shown_path(self, stem: str) -> str:
+        return f"{self.shown}/{stem}.py"
+
+    def source_name(self, stem: str) -> str:
+        """The file name the module's code objects carry: its path, or for a patched source the path and
+        the label, registered in `linecache` with the patched lines. `inspect` then reads the code that
+        runs, not the file on disk, and so does Triton, which compiles (or interprets) a kernel from its
+        source text."""
+        patched = self.patch is not None and self.patch[0] == stem
+        return f"{self.path(stem)} ({self.label})" if patched else str(self.path(stem))
+
+    def shown_file(self, filename: str) -> str | None:
+        """How a report names a code object's file, when the file is one of this folder's; else None."""
+        for stem_path in (filename, filename.split(" (", 1)[0]):
+            path = Path(stem_path)
+            if path.parent == self.folder and path.suffix == ".py":
+                return self.shown_path(path.stem)
+        return None
+
+    def load(self, stem: str) -> types.ModuleType:
+        loaded = self._modules.get(stem)
+        if loaded is None:
+            try:
+                loaded = self._load(stem)
+            except LoadError as error:
+                loaded = error
+            self._modules[stem] = loaded
+        if isinstance(loaded, LoadError):
+            raise loaded
+        return loaded
+
+    def _load(self, stem: str) -> types.ModuleType:
+        path = self.path(stem)
+        if not path.is_file():
+            raise LoadError(f"{self.shown_path(stem)} does not exist")
+        try:
+            source = path.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as error:
+            raise LoadError(f"{self.shown_path(stem)} cannot be read: {error}") from None
+        if self.patch is not None and self.patch[0] == stem:
+            source = self.patch[1]
+        package = self._make_package()
+        name = f"{package.__name__}.{stem}"
+        code_name = self.source_name(stem)
+        if code_name != str(path):
+            linecache.cache[code_name] = (len(source), None, source.splitlines(keepends=True), code_name)
+        try:
+            code = compile(source, code_name, "exec", dont_inherit=True)
+        except SyntaxError as error:
+            raise LoadError(f"{self.shown_path(stem)} line {error.lineno}: SyntaxError: {error.msg}") from None
+        module = types.ModuleType(name)
+        module.__file__ = str(path)
+        module.__package__ = package.__name__
+        sys.modules[name] = module
+        try:
+            exec(code, module.__dict__)
+        except BaseException as error:  # noqa: BLE001 - any import-time failure is the learner's to see
+            sys.modules.pop(name, None)
+            raise LoadError(f"{self.shown_path(stem)}{self.where(error, stem)}: importing it raised "
+                            f"{type(error).__name__}: {first_line(error)}") from None
+        return module
+
+    def _make_package(self) -> types.ModuleType:
+        if self._package is None:
+            self._package = types.ModuleType(f"kvlab_impl_{next(_counter)}")
+            self._package.__path__ = [str(self.folder)]
+            sys.modules[self._package.__name__] = self._package
+        return self._package
+
+    # ---- one-line reasons ----
+    def where(self, error: BaseException, stem: str) -> str:
+        """` line 57` (in the module's own file) or ` (m01_rmsnorm.py line 12)`: the deepest frame in
+        this folder's files; the deepest frame of all when none is."""
+        frames = traceback.extract_tb(error.__traceback__)
+        for frame in reversed(frames):
+            shown = self.shown_file(frame.filename)
+            if shown is not None:
+                return f" line {frame.lineno}" if shown == self.shown_path(stem) else f" ({shown} line {frame.lineno})"
+        return f" ({frames[-1].filename.rsplit('/', 1)[-1]} line {frames[-1].lineno})" if frames else ""
+
+    def describe(self, error: BaseException, stem: str) -> str:
+        """`TypeError: message (mine/m02_thinker_attention.py line 57)`, the learner's deepest line."""
+        where = self.where(error, stem)
+        if where.startswith(" line"):
+            where = f" ({self.shown_path(stem)}{where})"
+        return f"{type(error).__name__}: {first_line(error)}{where}".replace(": (", " (")
+
+    def not_started(self, error: NotImplementedError, stem: str, name: str) -> str:
+        """`<file>: `name` raises NotImplementedError`, naming the sibling module that raised it when the
+        function runs on another of the learner's files (m04 runs on their m01-m03) that is still a stub."""
+        frames = traceback.extract_tb(error.__traceback__)
+        raiser = self.shown_file(frames[-1].filename) if frames else None
+        if raiser is None or raiser == self.shown_path(stem):
+            return f"{self.shown_path(stem)}: `{name}` raises NotImplementedError"
+        module_id = raiser.rsplit("/", 1)[-1].split("_")[0]
+        return (f"{self.shown_path(stem)}: `{name}` reaches `{frames[-1].name}` in {raiser}, which raises "
+                f"NotImplementedError: finish {module_id} first")
+
+
+def repair_bf16_dot() -> None:
+    """Triton's CPU interpreter stores bfloat16 values as raw 16-bit patterns and its `tl.dot` multiplies
+    those as integers (seen with triton 3.9); widen bf16 operands to fp32 first, as a GPU's tensor cores
+    do (see `interpreter.py`). Only for the interpreter; idempotent."""
+    from triton import language as tl
+    from triton.runtime import interpreter
+
+    builder = interpreter.InterpreterBuilder
+    if getattr(builder.create_dot, "kvlab_repaired", False):
+        return
+    original = builder.create_dot
+
+    def create_dot(self, a, b, d, *args, **kwargs):
+        if a.dtype == tl.bfloat16:
+            a = self.cast_impl(a, tl.float32)
+        if b.dtype == tl.bfloat16:
+            b = self.cast_impl(b, tl.float32)
+        return original(self, a, b, d, *args, **kwargs)
+
+    create_dot.kvlab_repaired = True
+    builder.create_dot = create_dot
+
+
+_counter = itertools.count()
+
+
+def first_line(error: BaseException) -> str:
+    try:
+        text = str(error).strip()
+    except Exception:  # noqa: BLE001 - a learner's exception whose __str__ raises
+        return "(its message cannot be shown)"
+    return text.splitlines()[0][:300] if text else ""

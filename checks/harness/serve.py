@@ -1,0 +1,421 @@
+"""The worker side: a fork server and the workers it forks, the only processes that run learner code.
+
+The checks' process starts the fork server once per run (`python -I`, so neither the kit nor the
+current folder is on its import path; inside bubblewrap for `./check.sh grade`). The server imports
+torch (and Triton) once, then forks a worker per request, in milliseconds. A worker
+- gets a session and process group of its own, a memory limit, a process limit, no core dumps, and
+  (when the server runs as root, i.e. in the sandbox) an unprivileged user;
+- imports the learner's module once, then answers requests on its socket: read an attribute, take a
+  length, call a function or method. Arguments arrive as copies; objects the learner's code makes stay
+  here and travel as handles; a call's reply carries the result, the input it changed in place (if
+  any), the tensors written into `Writes` arguments, and the state of the learner's objects involved.
+
+The server reaps workers, kills a worker (and its process group) when asked, kills any process that
+outlived its worker (it is the subreaper of everything forked below it), watches each worker's
+resident memory, and says how a worker ended. Nothing here imports the kit: the checks' process ships
+this file and its three companions as text (see `worker.py`).
+"""
+
+import ctypes
+import json
+import os
+import resource
+import signal
+import socket
+import sys
+import time
+import types
+import warnings
+
+import torch
+
+from . import wire
+from .loading import LoadError, Package, first_line
+from .values import argument_names, changed_input, leaves, plain
+
+PR_SET_PDEATHSIG, PR_SET_CHILD_SUBREAPER = 1, 36
+PROCESS_MARGIN = 128  # processes and threads a worker may add to its user's count (torch's threads, ptxas)
+FILE_SIZE_LIMIT = 256 << 20  # bytes: no file a worker writes grows past this
+
+
+# ---- values the learner's code receives -------------------------------------------------------------
+
+
+class Record:
+    """A kit value (weights, a namespace of tensors) as the learner's code receives it: its fields."""
+
+    def __repr__(self) -> str:
+        fields = ", ".join(f"{k}=…" for k in vars(self))
+        return f"{type(self).__name__}({fields})"
+
+
+_record_classes: dict[str, type] = {}
+
+
+def record(class_name: str, fields: dict) -> Record:
+    cls = _record_classes.get(class_name)
+    if cls is None:
+        cls = _record_classes[class_name] = type(class_name, (Record,), {})
+    obj = cls()
+    obj.__dict__.update(fields)
+    return obj
+
+
+class WorkerCodec(wire.Codec):
+    def __init__(self, worker: "Worker"):
+        super().__init__()
+        self.worker = worker
+
+    def other(self, value):
+        if isinstance(value, type):
+            kind = "class"
+        elif callable(value):
+            kind = "function"
+        else:
+            kind = "object"
+        owner = getattr(value, "__self__", None)
+        name = getattr(value, "__name__", type(value).__name__)
+        if owner is not None and not isinstance(owner, types.ModuleType):
+            name = f"{type(owner).__name__}.{name}"
+        elif kind == "object":
+            name = type(value).__name__
+        return ("H", self.worker.keep(value), str(name), kind)
+
+    def decode_other(self, tag: str, rest: tuple):
+        if tag == "R" and len(rest) == 1 and rest[0] in self.worker.objects:
+            return self.worker.objects[rest[0]]
+        if tag == "O" and len(rest) == 2 and type(rest[0]) is str:
+            return record(rest[0], {k: self._decode(v) for k, v in rest[1]})
+        if tag == "F" and len(rest) == 1:
+            return self.worker.callback(rest[0])
+        raise wire.WireError(f"unknown value {tag!r}")
+
+
+# ---- a worker ---------------------------------------------------------------------------------------
+
+
+class Worker:
+    def __init__(self, sock: socket.socket):
+        self.sock = sock
+        self.objects: dict[int, object] = {}  # handle -> the object (kept alive while the checks hold it)
+        self.handles: dict[int, int] = {}  # id(object) -> handle
+        self.pinned = 0  # handles below this (the module's names) survive `forget`
+        self.next_handle = 0
+        self.package: Package | None = None
+        self.stem = ""
+
+    def keep(self, obj) -> int:
+        handle = self.handles.get(id(obj))
+        if handle is None or self.objects.get(handle) is not obj:
+            handle, self.next_handle = self.next_handle, self.next_handle + 1
+            self.objects[handle], self.handles[id(obj)] = obj, handle
+        return handle
+
+    def reply(self, *message, codec: WorkerCodec | None = None) -> None:
+        codec = codec or WorkerCodec(self)
+        try:
+            tree = codec.encode(message)
+        except (wire.WireError, RecursionError) as error:
+            codec = WorkerCodec(self)
+            tree = codec.encode(("raised", f"returned a value the checks cannot read: {first_line(error)}"))
+        wire.send(self.sock, (tree, codec.storages))
+
+    def receive(self):
+        tree, storages = wire.receive(self.sock)
+        return WorkerCodec(self).decode(tree, storages)
+
+    def callback(self, number: int):
+        def call_back(*args, **kwargs):
+            self.reply("callback", number, args, kwargs)
+            answer = self.receive()
+            if answer[0] == "callback-error":
+                raise RuntimeError(answer[1])
+            return answer[1]
+
+        return call_back
+
+    def serve(self) -> None:
+        while True:
+            try:
+                request = self.receive()
+            except (wire.Closed, ConnectionError):
+                return
+            handler = getattr(self, f"do_{request[0]}")
+            handler(*request[1:])
+
+    # ---- requests ----
+    def do_load(self, folder: str, shown: str, patch, label: str, stem: str) -> None:
+        self.package, self.stem = Package(folder, shown, tuple(patch) if patch else None, label), stem
+        try:
+            module = self.package.load(stem)
+        except LoadError as error:
+            self.reply("load-error", str(error))
+            return
+        names = {}
+        for name, value in list(vars(module).items()):
+            if not name.startswith("_") and not isinstance(value, types.ModuleType):
+                names[name] = value
+        self.reply("loaded", names)
+        self.pinned = self.next_handle
+
+    def do_forget(self) -> None:
+        """The check ended: drop the objects it made (the module's names stay)."""
+        for handle in [h for h in self.objects if h >= self.pinned]:
+            obj = self.objects.pop(handle)
+            self.handles.pop(id(obj), None)
+
+    def do_getattr(self, obj, name: str) -> None:
+        self.run(lambda: getattr(obj, name), f"reading `.{name}`")
+
+    def do_len(self, obj) -> None:
+        self.run(lambda: len(obj), "len()")
+
+    def do_call(self, fn, name: str, args: tuple, kwargs: dict, writes: list) -> None:
+        written = [args[key] if isinstance(key, int) else kwargs[key] for key in writes]
+        names = argument_names(fn, args, kwargs)
+        before = {arg: leaves(value) for arg, value in names.items() if not any(value is w for w in written)}
+        inputs = {_storage(t) for value in names.values() for t in leaves_of(value)}
+        try:
+            result = fn(*args, **kwargs)
+        except NotImplementedError as error:
+            self.reply("not-started", self.package.not_started(error, self.stem, name))
+            return
+        except BaseException as error:  # noqa: BLE001 - exit(), KeyboardInterrupt too: the worker goes on
+            self.reply("raised", f"`{name}` raised {self.package.describe(error, self.stem)}")
+            return
+        owner = getattr(fn, "__self__", None)
+        involved = [v for v in names.values() if id(v) in self.handles and self.objects.get(self.handles[id(v)]) is v]
+        if owner is not None and not isinstance(owner, types.ModuleType):
+            involved.append(owner)
+        codec = WorkerCodec(self)
+        states = {codec.worker.keep(v): leaves(v) for v in involved}
+        data = {codec.worker.keep(v): plain(v) for v in involved}
+        aliased = [t for t in leaves_of(result) if _storage(t) in inputs]
+        if aliased:
+            self.reply("raised", f"`{name}` returned one of its inputs (or a view of it): return new tensors")
+            return
+        subclass = [type(t).__name__ for t in leaves_of(result) if type(t) not in (torch.Tensor, torch.nn.Parameter)]
+        if subclass:
+            self.reply("raised", f"`{name}` returned a {subclass[0]} (a torch.Tensor subclass): return plain tensors")
+            return
+        changed = changed_input(before, names)
+        self.reply("returned", result, changed, states, data, dict(zip(writes, written)), codec=codec)
+
+    def run(self, action, what: str) -> None:
+        try:
+            value = action()
+        except NotImplementedError:
+            self.reply("raised", f"{what} raises NotImplementedError")
+            return
+        except BaseException as error:  # noqa: BLE001
+            self.reply("raised", f"{what} raised {self.package.describe(error, self.stem)}")
+            return
+        self.reply("value", value)
+
+
+def leaves_of(value) -> list[torch.Tensor]:
+    """The tensors in a result: itself, or the items of a tuple or list of them."""
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if type(value) in (tuple, list):
+        return [v for v in value if isinstance(v, torch.Tensor)]
+    return []
+
+
+def _storage(t: torch.Tensor):
+    return (str(t.device), t.untyped_storage().data_ptr()) if t.untyped_storage().nbytes() else ("empty", id(t))
+
+
+# ---- the fork server --------------------------------------------------------------------------------
+
+
+def _libc():
+    return ctypes.CDLL(None, use_errno=True)
+
+
+def tasks_of(uid: int) -> int:
+    """Processes and threads of `uid` that this process can see (what RLIMIT_NPROC counts)."""
+    count = 0
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/status") as status:
+                fields = dict(line.split(":", 1) for line in status if ":" in line)
+        except OSError:
+            continue
+        if int(fields.get("Uid", "-1").split()[0]) == uid:
+            count += int(fields.get("Threads", "1"))
+    return count
+
+
+def resident_bytes(pid: int) -> int:
+    try:
+        with open(f"/proc/{pid}/statm") as statm:
+            return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, IndexError, ValueError):
+        return 0
+
+
+def virtual_bytes() -> int:
+    with open("/proc/self/statm") as statm:
+        return int(statm.read().split()[0]) * os.sysconf("SC_PAGE_SIZE")
+
+
+class ForkServer:
+    def __init__(self, control: socket.socket, options: dict):
+        self.control, self.options = control, options
+        self.workers: dict[int, dict] = {}  # pid -> {"status": text or None, "note": text}
+        self.ended: dict[int, str] = {}
+
+    def run(self) -> None:
+        _libc().prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
+        # the interpreter's own numpy warnings (log2 of 0 in a masked lane) are noise in a learner's report
+        warnings.filterwarnings("ignore", category=RuntimeWarning, module="triton")
+        if self.options.get("triton"):
+            import triton  # noqa: F401 - imported once here, not in every worker
+
+            if os.environ.get("TRITON_INTERPRET") == "1":
+                from .loading import repair_bf16_dot
+
+                repair_bf16_dot()
+        self.control.send(wire.pack(("ready", os.getpid())))
+        while True:
+            ready = __import__("select").select([self.control], [], [], 0.05)[0]
+            self.tend()
+            if not ready:
+                continue
+            try:
+                data, fds, _, _ = socket.recv_fds(self.control, 1 << 16, 1)
+            except OSError:
+                data, fds = b"", []
+            if not data:
+                self.stop()
+                return
+            request = wire.unpack(data)
+            if request[0] == "spawn":
+                self.control.send(wire.pack(("spawned", self.spawn(fds[0]))))
+            elif request[0] == "kill":
+                self.control.send(wire.pack(("ended", self.kill(request[1]))))
+            elif request[0] == "ended":
+                self.tend()
+                self.control.send(wire.pack(("ended", self.ended.get(request[1]))))
+            elif request[0] == "stop":
+                self.stop()
+                self.control.send(wire.pack(("stopped",)))
+                return
+
+    def spawn(self, channel_fd: int) -> int:
+        pid = os.fork()
+        if pid == 0:  # the worker
+            code = 0
+            try:
+                self.control.close()
+                self.become_worker()
+                Worker(socket.socket(fileno=channel_fd)).serve()
+            except BaseException:  # noqa: BLE001 - a bug of the worker side itself: say so, exit 70
+                import traceback
+
+                traceback.print_exc()
+                code = 70
+            finally:
+                os._exit(code)
+        os.close(channel_fd)
+        self.workers[pid] = {"note": ""}
+        return pid
+
+    def become_worker(self) -> None:
+        os.setsid()
+        limit = self.options.get("memory_limit")
+        if limit and not self.options.get("cuda"):  # CUDA reserves far more address space than it uses
+            resource.setrlimit(resource.RLIMIT_AS, (virtual_bytes() + limit,) * 2)
+        resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+        resource.setrlimit(resource.RLIMIT_FSIZE, (FILE_SIZE_LIMIT,) * 2)
+        uid = self.options.get("uid")
+        if uid is not None and os.getuid() == 0:
+            os.setgroups([])
+            os.setgid(uid)
+            os.setuid(uid)
+        if os.getuid() != 0:  # root is never held to RLIMIT_NPROC
+            resource.setrlimit(resource.RLIMIT_NPROC, (tasks_of(os.getuid()) + PROCESS_MARGIN,) * 2)
+        _libc().prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)  # after setuid, which clears it
+
+    def tend(self) -> None:
+        """Reap what ended, kill what outlived its worker, and enforce the memory limit."""
+        while True:
+            try:
+                pid, status = os.waitpid(-1, os.WNOHANG)
+            except ChildProcessError:
+                break
+            if pid == 0:
+                break
+            info = self.workers.pop(pid, None)
+            if info is not None:
+                self.ended[pid] = info["note"] or how_it_ended(status)
+        for pid in self.strays():
+            _kill(pid)
+        limit = self.options.get("memory_limit")
+        for pid, info in self.workers.items():
+            if limit and not info["note"] and resident_bytes(pid) > limit:
+                info["note"] = f"was stopped at {limit / 2**30:g} GiB of memory (the memory limit, --memory-limit)"
+                _kill(pid)
+
+    def strays(self) -> list[int]:
+        """Processes whose parent is this server but which it did not fork as workers: a worker's
+        children, orphaned and handed to this subreaper."""
+        found = []
+        me = os.getpid()
+        for entry in os.listdir("/proc"):
+            if not entry.isdigit() or int(entry) in self.workers:
+                continue
+            try:
+                with open(f"/proc/{entry}/stat") as stat:
+                    ppid = int(stat.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            if ppid == me:
+                found.append(int(entry))
+        return found
+
+    def kill(self, pid: int) -> str | None:
+        if pid in self.workers:
+            _kill(pid)
+            deadline = time.monotonic() + 5
+            while pid in self.workers and time.monotonic() < deadline:
+                self.tend()
+                time.sleep(0.002)
+        return self.ended.get(pid)
+
+    def stop(self) -> None:
+        for pid in list(self.workers):
+            _kill(pid)
+        deadline = time.monotonic() + 5
+        while (self.workers or self.strays()) and time.monotonic() < deadline:
+            self.tend()
+            time.sleep(0.005)
+
+
+def _kill(pid: int) -> None:
+    for kill in (os.killpg, os.kill):
+        try:
+            kill(pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+
+def how_it_ended(status: int) -> str:
+    if os.WIFSIGNALED(status):
+        number = os.WTERMSIG(status)
+        try:
+            name = signal.Signals(number).name
+        except ValueError:
+            name = f"signal {number}"
+        return f"was killed by {name}" + (" (a crash in native code)" if name in ("SIGSEGV", "SIGBUS", "SIGABRT",
+                                                                                     "SIGILL", "SIGFPE") else "")
+    return f"exited with status {os.WEXITSTATUS(status)}"
+
+
+def main() -> None:
+    options = json.loads(sys.argv[1])
+    control = socket.socket(fileno=int(options["control_fd"]))
+    ForkServer(control, options).run()

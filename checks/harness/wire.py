@@ -1,0 +1,203 @@
+"""Values crossing between the checks' process and the worker that runs learner code.
+
+A message is a tree of plain Python values in which every container and tensor carries a tag, so
+that nothing a learner returns can pose as another kind of value: `("T", items)` is a tuple, `("X",
+...)` a tensor (its whole storage travels, with its dtype, size, strides and offset, so a view stays a
+view and a write beside it is seen), `("H", id, class, kind)` an object that stays in the worker.
+What either side cannot send as data it hands to `Codec.other` (handles, records, callbacks).
+
+The bytes are a pickle of builtins only, read back by an unpickler that refuses every global: a
+worker can send wrong data, never code. Both sides use this module; it imports only the standard
+library and torch, so the worker runs it as shipped text.
+"""
+
+import io
+import pickle
+import select
+import struct
+import time
+from collections import deque
+
+import torch
+
+MAX_MESSAGE = 2 << 30  # bytes; a reply larger than this is refused, not read
+_DTYPES = {str(d).removeprefix("torch."): d for d in (
+    torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.int16,
+    torch.int8, torch.uint8, torch.bool, torch.complex64, torch.complex128)}
+_SCALARS = (type(None), bool, int, float, str, bytes)
+
+
+class WireError(Exception):
+    """A message that does not decode: the other side sent something that is not a value."""
+
+
+class Closed(Exception):
+    """The other side closed its end (it exited or died)."""
+
+
+class Timeout(Exception):
+    """No message before the deadline."""
+
+
+class Codec:
+    """Encodes and decodes one side's values; subclasses say what to do with everything else."""
+
+    def __init__(self):
+        self.storages: list[bytes] = []
+        self._storage_index: dict = {}
+
+    # ---- encoding ----
+    def encode(self, value):
+        kind = type(value)
+        if kind in _SCALARS:
+            return value
+        if kind is list:
+            return ("L", [self.encode(v) for v in value])
+        if kind is tuple:
+            return ("T", [self.encode(v) for v in value])
+        if kind is dict:
+            return ("D", [(self.encode(k), self.encode(v)) for k, v in value.items()])
+        if kind is set or kind is frozenset:
+            return ("S" if kind is set else "FS", [self.encode(v) for v in value])
+        if kind is deque:
+            return ("Q", [self.encode(v) for v in value])
+        if kind is torch.Tensor or kind is torch.nn.Parameter:
+            return self.encode_tensor(value)
+        if kind is torch.dtype:
+            return ("DT", str(value).removeprefix("torch."))
+        if kind is torch.device:
+            return ("DV", str(value))
+        if kind is torch.Size:
+            return ("SZ", list(value))
+        return self.other(value)
+
+    def encode_tensor(self, t: torch.Tensor):
+        t = t.detach()
+        storage = t.untyped_storage()
+        key = (str(t.device), storage.data_ptr(), storage.nbytes())
+        index = self._storage_index.get(key) if storage.nbytes() else None
+        if index is None:
+            flat = torch.empty(0, dtype=torch.uint8, device=t.device).set_(storage)
+            self.storages.append(flat.cpu().numpy().tobytes())
+            index = len(self.storages) - 1
+            if storage.nbytes():
+                self._storage_index[key] = index
+        name = str(t.dtype).removeprefix("torch.")
+        return ("X", index, name, list(t.shape), list(t.stride()), t.storage_offset(), str(t.device))
+
+    def other(self, value):
+        raise WireError(f"a {type(value).__name__} cannot be sent")
+
+    # ---- decoding ----
+    def decode(self, tree, storages: list[bytes]):
+        self._decoded_storages: dict[tuple[int, str], torch.UntypedStorage] = {}
+        self._incoming = storages
+        return self._decode(tree)
+
+    def _decode(self, node):
+        if type(node) in _SCALARS:
+            return node
+        if type(node) is not tuple or not node or type(node[0]) is not str:
+            raise WireError(f"not a value: {type(node).__name__}")
+        tag, rest = node[0], node[1:]
+        if tag in ("L", "T", "S", "FS", "Q"):
+            items = [self._decode(v) for v in _items(rest)]
+            return {"L": list, "T": tuple, "S": set, "FS": frozenset, "Q": deque}[tag](items)
+        if tag == "D":
+            return {self._decode(k): self._decode(v) for k, v in (_pair(p) for p in _items(rest))}
+        if tag == "X":
+            return self._decode_tensor(*rest)
+        if tag == "DT" and len(rest) == 1 and rest[0] in _DTYPES:
+            return _DTYPES[rest[0]]
+        if tag == "DV" and len(rest) == 1 and type(rest[0]) is str:
+            return torch.device(rest[0])
+        if tag == "SZ":
+            return torch.Size(_ints(_items(rest)))
+        return self.decode_other(tag, rest)
+
+    def _decode_tensor(self, index, dtype, shape, stride, offset, device):
+        if type(index) is not int or not 0 <= index < len(self._incoming) or dtype not in _DTYPES:
+            raise WireError("a tensor with no storage or an unknown dtype")
+        if type(device) is not str or not (device == "cpu" or device.startswith("cuda")):
+            raise WireError(f"a tensor on an unknown device {device!r}")
+        shape, stride = _ints(shape), _ints(stride)
+        storage = self._decoded_storages.get((index, device))
+        if storage is None:
+            data = self._incoming[index]
+            flat = torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else torch.empty(0, dtype=torch.uint8)
+            storage = flat.to(device).untyped_storage()
+            self._decoded_storages[(index, device)] = storage
+        try:
+            return torch.empty(0, dtype=_DTYPES[dtype], device=device).set_(storage, offset, shape, stride)
+        except (RuntimeError, TypeError) as error:
+            raise WireError(f"a tensor that does not fit its storage ({error})") from None
+
+    def decode_other(self, tag: str, rest: tuple):
+        raise WireError(f"unknown value tag {tag!r}")
+
+
+def _items(rest: tuple) -> list:
+    if len(rest) != 1 or type(rest[0]) is not list:
+        raise WireError("a container without its items")
+    return rest[0]
+
+
+def _pair(pair):
+    if type(pair) is not tuple or len(pair) != 2:
+        raise WireError("a dict entry that is not a pair")
+    return pair
+
+
+def _ints(values) -> list[int]:
+    if type(values) is not list or any(type(v) is not int for v in values):
+        raise WireError("a shape or stride that is not a list of ints")
+    return values
+
+
+# ---- framing --------------------------------------------------------------------------------------
+
+
+class _NoGlobals(pickle.Unpickler):
+    def find_class(self, module, name):
+        raise WireError(f"a message asked for {module}.{name}: only plain data is accepted")
+
+
+def pack(message) -> bytes:
+    return pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
+
+
+def unpack(data: bytes):
+    try:
+        return _NoGlobals(io.BytesIO(data)).load()
+    except WireError:
+        raise
+    except Exception as error:  # noqa: BLE001 - any malformed message is a wire error, never a crash
+        raise WireError(f"a message that does not decode ({type(error).__name__})") from None
+
+
+def send(sock, message) -> None:
+    data = pack(message)
+    sock.sendall(struct.pack("<Q", len(data)) + data)
+
+
+def receive(sock, deadline: float | None = None):
+    """The next message; `Timeout` once `deadline` (time.monotonic()) passes, `Closed` on end of file."""
+    (size,) = struct.unpack("<Q", _read(sock, 8, deadline))
+    if size > MAX_MESSAGE:
+        raise WireError(f"a message of {size} bytes (at most {MAX_MESSAGE})")
+    return unpack(_read(sock, size, deadline))
+
+
+def _read(sock, size: int, deadline: float | None) -> bytes:
+    chunks, left = [], size
+    while left:
+        if deadline is not None:
+            wait = deadline - time.monotonic()
+            if wait <= 0 or not select.select([sock], [], [], wait)[0]:
+                raise Timeout
+        chunk = sock.recv(min(left, 1 << 20))
+        if not chunk:
+            raise Closed
+        chunks.append(chunk)
+        left -= len(chunk)
+    return b"".join(chunks)

@@ -1,0 +1,319 @@
+"""Where learner code runs: a fork server (optionally inside bubblewrap) and one worker per module run.
+
+The checks' process never imports learner code. `ForkServer` starts `serve.py` as its own Python
+(`python -I`: neither the kit nor the current folder on the import path; a clean environment), which
+imports torch and Triton once and then forks workers in milliseconds. `Session` is one module run of
+one implementation: it asks for a worker, has it import the module once, sends requests and waits for
+each reply under a deadline. A worker that overruns its deadline is killed, which also stops a hang
+inside C code or a GPU kernel; a worker that exits or dies (`sys.exit`, `os._exit`, a signal, a
+segfault) is described in one line; either way the next request gets a fresh worker.
+
+With `sandbox=True` (`./check.sh grade`) the fork server runs inside bubblewrap: its own pid, ipc, uts
+and network namespaces (no network), a filesystem of read-only system and Python folders only, a tmpfs
+for /tmp, the submission's copy as the one writable folder, no view of the kit (its `solutions/`,
+`checks/`, `.kvlab/`) or of the oracle library (transformers), and workers that drop to an unprivileged
+user so the process limit holds.
+"""
+
+import itertools
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from . import wire
+
+HERE = Path(__file__).resolve().parent
+SHIPPED = ("values", "wire", "loading", "serve")  # the worker side, run as text (imports only stdlib + torch)
+START_LIMIT = 180.0  # seconds for the fork server to import torch (a cold disk on a busy machine)
+UNPRIVILEGED = 65534  # nobody: the user a sandboxed worker runs as
+HIDDEN_PACKAGES = ("transformers", "flash_attn", "solutions", "checks")  # oracles and the kit, not the submission's
+PASSED_ENV = ("PATH", "LD_LIBRARY_PATH", "LANG", "LC_ALL", "TZ", "OMP_NUM_THREADS", "MKL_NUM_THREADS",
+              "TRITON_INTERPRET", "TRITON_CACHE_DIR", "CUDA_VISIBLE_DEVICES", "CUDA_HOME", "NVIDIA_VISIBLE_DEVICES")
+DEFAULT_MEMORY_LIMIT = 4 << 30
+
+
+class WorkerGone(Exception):
+    """The worker exited, died or was killed; the message says how, in words."""
+
+
+class Overran(Exception):
+    """The worker did not answer before the deadline and was killed."""
+
+
+class SandboxUnavailable(Exception):
+    """bubblewrap is not installed or cannot build a sandbox here."""
+
+
+def boot_program() -> str:
+    """The program the fork server runs: the shipped modules as a package, then the server."""
+    sources = {name: (HERE / f"{name}.py").read_text(encoding="utf-8") for name in SHIPPED}
+    return (
+        "import sys, types\n"
+        f"sources = {sources!r}\n"
+        "package = types.ModuleType('kvlab_worker'); package.__path__ = []; sys.modules['kvlab_worker'] = package\n"
+        f"for name in {list(SHIPPED)!r}:\n"
+        "    module = types.ModuleType('kvlab_worker.' + name); module.__package__ = 'kvlab_worker'\n"
+        "    sys.modules[module.__name__] = module\n"
+        "    exec(compile(sources[name], '<kvlab worker: ' + name + '.py>', 'exec'), module.__dict__)\n"
+        "sys.modules['kvlab_worker.serve'].main()\n"
+    )
+
+
+def clean_environment(sandbox: bool) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k in PASSED_ENV or k.startswith(("NCCL_", "CUDA_"))}
+    env.setdefault("PATH", "/usr/bin:/bin")
+    env.setdefault("OMP_NUM_THREADS", "1")
+    env["PYTHONDONTWRITEBYTECODE"] = "1"
+    if sandbox:
+        env["HOME"] = env["TMPDIR"] = "/tmp"
+        env["TRITON_CACHE_DIR"] = "/tmp/triton"
+    elif "HOME" in os.environ:
+        env["HOME"] = os.environ["HOME"]  # Triton's compile cache lives there
+    return env
+
+
+def bubblewrap_command(writable: list[Path], cuda: bool) -> list[str]:
+    """bwrap's arguments: read-only system and Python folders, a tmpfs /tmp, the `writable` folders."""
+    bwrap = shutil.which("bwrap")
+    if bwrap is None:
+        raise SandboxUnavailable("bubblewrap (bwrap) is not installed: `apt-get install bubblewrap` "
+                                 "(Debian/Ubuntu), or grade with --no-sandbox")
+    from .loading import __file__ as _  # noqa: F401 - the kit folder is found from this module's path
+
+    kit = HERE.parents[1]
+    command = [bwrap, "--unshare-ipc", "--unshare-pid", "--unshare-net", "--unshare-uts", "--unshare-cgroup-try",
+               "--die-with-parent", "--new-session", "--tmpfs", "/tmp", "--dev", "/dev", "--proc", "/proc"]
+    made: set[Path] = {Path("/"), Path("/tmp"), Path("/dev"), Path("/proc")}
+
+    def parents_of(target: Path) -> None:
+        for parent in reversed(target.parents):
+            if parent not in made:
+                command.extend(["--perms", "0755", "--dir", str(parent)])
+                made.add(parent)
+
+    for top in ("/usr", "/etc", "/bin", "/sbin", "/lib", "/lib64", "/lib32", "/opt"):
+        path = Path(top)
+        if path.is_symlink():
+            command.extend(["--symlink", os.readlink(path), top])
+        elif path.is_dir():
+            command.extend(["--ro-bind", top, top])
+        made.add(path)
+    if cuda:
+        command.extend(["--ro-bind", "/sys", "/sys"])
+        for device in sorted(Path("/dev").glob("nvidia*")):
+            command.extend(["--dev-bind", str(device), str(device)])
+    python_folders = {Path(p).resolve() for p in (sys.prefix, sys.base_prefix, sys.exec_prefix)}
+    python_folders |= {Path(p).resolve() for p in sys.path if p and Path(p).is_dir()}
+    for folder in sorted(python_folders):
+        if any(folder == m or m in folder.parents for m in made if m != Path("/")) or folder == kit:
+            continue
+        if kit in folder.parents and not folder.is_relative_to(kit / ".venv"):
+            continue  # nothing of the kit but its virtual environment
+        parents_of(folder)
+        command.extend(["--ro-bind", str(folder), str(folder)])
+        made.add(folder)
+    for folder in sorted(python_folders):
+        for name in HIDDEN_PACKAGES:
+            hidden = folder / name
+            if hidden.is_dir() and not hidden.is_relative_to(kit) or hidden.is_dir() and "site-packages" in str(hidden):
+                command.extend(["--tmpfs", str(hidden)])
+    for folder in writable:
+        parents_of(folder)
+        command.extend(["--bind", str(folder), str(folder)])
+    command.extend(["--chdir", "/tmp", "--clearenv"])
+    for key, value in clean_environment(True).items():
+        command.extend(["--setenv", key, value])
+    return command
+
+
+class ForkServer:
+    """The process that forks workers. Started once per run, in the background; `spawn` waits for it."""
+
+    def __init__(self, *, triton: bool, cuda: bool, memory_limit: int = DEFAULT_MEMORY_LIMIT,
+                 sandbox_writable: list[Path] | None = None, quiet: bool = False):
+        self.triton, self.cuda, self.memory_limit = triton, cuda, memory_limit
+        self.sandbox_writable = sandbox_writable  # None: no sandbox
+        self.quiet = quiet
+        self.process: subprocess.Popen | None = None
+        self.control: socket.socket | None = None
+        self.ready = False
+
+    @property
+    def sandboxed(self) -> bool:
+        return self.sandbox_writable is not None
+
+    def start(self) -> None:
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        options = {"control_fd": theirs.fileno(), "triton": self.triton, "cuda": self.cuda,
+                   "memory_limit": self.memory_limit, "uid": UNPRIVILEGED if self.sandboxed else None}
+        command = [sys.executable, "-I", "-c", boot_program(), json.dumps(options)]
+        env = clean_environment(self.sandboxed)
+        if self.sandboxed:
+            command = bubblewrap_command(self.sandbox_writable, self.cuda) + command
+        output = subprocess.DEVNULL if self.quiet else None
+        self.process = subprocess.Popen(command, pass_fds=[theirs.fileno()], stdin=subprocess.DEVNULL,
+                                        stdout=output, stderr=output, env=env, start_new_session=True)
+        theirs.close()
+        self.control, self.ready = ours, False
+
+    def _ask(self, message, fds=(), timeout: float = 30.0):
+        if self.process is None or self.process.poll() is not None:
+            self.start()
+        if not self.ready:
+            self._wait_ready()
+        try:
+            socket.send_fds(self.control, [wire.pack(message)], list(fds))
+            self.control.settimeout(timeout)
+            data = self.control.recv(1 << 16)
+        except OSError as error:
+            raise WorkerGone(f"the fork server stopped ({type(error).__name__})") from None
+        if not data:
+            self.ready = False
+            raise WorkerGone("the fork server stopped")
+        return wire.unpack(data)
+
+    def _wait_ready(self) -> None:
+        self.control.settimeout(START_LIMIT)
+        try:
+            data = self.control.recv(1 << 16)
+        except OSError:
+            data = b""
+        if not data:
+            code = self.process.poll()
+            where = " inside bubblewrap" if self.sandboxed else ""
+            raise WorkerGone(f"the worker process could not start{where} (exit status {code})")
+        self.ready = True
+
+    def spawn(self) -> tuple[int, socket.socket]:
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            reply = self._ask(("spawn",), [theirs.fileno()])
+        except WorkerGone:  # one restart: a learner's worker may have killed the server (it is its parent)
+            self.stop()
+            reply = self._ask(("spawn",), [theirs.fileno()])
+        theirs.close()
+        return reply[1], ours
+
+    def kill(self, pid: int) -> str:
+        try:
+            return self._ask(("kill", pid))[1] or "was stopped"
+        except WorkerGone:
+            return "was stopped (with the fork server)"
+
+    def how_it_ended(self, pid: int) -> str:
+        deadline = time.monotonic() + 2
+        while True:
+            try:
+                ended = self._ask(("ended", pid))[1]
+            except WorkerGone:
+                return "ended (with the fork server)"
+            if ended or time.monotonic() > deadline:
+                return ended or self.kill(pid)
+            time.sleep(0.005)
+
+    def stop(self) -> None:
+        if self.process is None:
+            return
+        if self.process.poll() is None and self.ready:
+            try:
+                socket.send_fds(self.control, [wire.pack(("stop",))], [])
+                self.control.settimeout(10)
+                self.control.recv(1 << 16)
+            except OSError:
+                pass
+        try:
+            os.killpg(self.process.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+        self.process.wait()
+        self.control.close()
+        self.process, self.ready = None, False
+
+
+_generations = itertools.count(1)
+
+
+class Session:
+    """One implementation's module in a worker: loaded once, asked many times, replaced when it dies.
+
+    `codec_for(session)` makes the parent-side codec (handles become proxies, callbacks are served);
+    see `guard.py`. Handles carry the worker's generation: after a restart, an old handle is refused."""
+
+    def __init__(self, server: ForkServer, spec: tuple, codec_for, import_limit: float):
+        self.server, self.spec, self.codec_for, self.import_limit = server, spec, codec_for, import_limit
+        self.pid: int | None = None
+        self.sock: socket.socket | None = None
+        self.generation = 0
+        self.loaded = None  # ("loaded", names) or ("load-error", reason) of the current worker
+
+    def ensure(self):
+        """A live worker with the module imported; returns the load reply."""
+        if self.sock is None:
+            self.pid, self.sock = self.server.spawn()
+            self.generation = next(_generations)
+            self.loaded = self._exchange(("load", *self.spec), self.import_limit, "importing it")
+        return self.loaded
+
+    def request(self, message, seconds: float, what: str):
+        self.ensure()
+        if self.loaded[0] != "loaded":
+            return self.loaded
+        return self._exchange(message, seconds, what)
+
+    def _exchange(self, message, seconds: float, what: str):
+        codec = self.codec_for(self)
+        callbacks = codec.callbacks  # the check's callables in `message`, served while the call runs
+        tree = codec.encode(message)
+        deadline = time.monotonic() + seconds
+        try:
+            wire.send(self.sock, (tree, codec.storages))
+            while True:
+                tree, storages = wire.receive(self.sock, deadline)
+                reply = self.codec_for(self).decode(tree, storages)
+                if type(reply) is not tuple or not reply or type(reply[0]) is not str:
+                    raise wire.WireError("a reply that is not a message")
+                if reply[0] != "callback":
+                    return reply
+                wire.send(self.sock, self._serve_callback(reply, callbacks))
+        except wire.Timeout:
+            self.end()
+            raise Overran(f"{what} did not return within {seconds:g} s (an endless loop?)") from None
+        except (wire.Closed, ConnectionError, BrokenPipeError):
+            how = self.server.how_it_ended(self.pid)
+            self.end(killed=False)
+            raise WorkerGone(f"{what}: the worker process running it {how}") from None
+        except (wire.WireError, RecursionError) as error:
+            self.end()
+            raise WorkerGone(f"{what}: the worker sent something that is not a reply ({error})") from None
+
+    def _serve_callback(self, reply, callbacks):
+        codec = self.codec_for(self)
+        try:
+            _, number, args, kwargs = reply
+            value = callbacks[number](*args, **kwargs)
+            tree = codec.encode(("callback-result", value))
+        except Exception as error:  # noqa: BLE001 - the check's callback failed: the learner's call sees why
+            codec = self.codec_for(self)
+            tree = codec.encode(("callback-error", f"the check's callback raised {type(error).__name__}: {error}"))
+        return tree, codec.storages
+
+    def end(self, killed: bool = True) -> None:
+        if self.sock is not None:
+            if killed:
+                self.server.kill(self.pid)
+            self.sock.close()
+        self.sock, self.pid, self.loaded = None, None, None
+
+    def forget(self) -> None:
+        """The check ended: the worker drops the objects it made for it."""
+        if self.sock is not None and self.loaded and self.loaded[0] == "loaded":
+            try:
+                wire.send(self.sock, (("T", ["forget"]), []))
+            except OSError:
+                self.end(killed=False)
