@@ -6,4 +6,5 @@ python="${KVLAB_PYTHON:-}"
 if [ -z "$python" ]; then
   if [ -x "$kit/.venv/bin/python" ]; then python="$kit/.venv/bin/python"; else python="python3"; fi
 fi
-PYTHONPATH="$kit${PYTHONPATH:+:$PYTHONPATH}" exec "$python" -m checks "$@"
+# -P: the current folder is not put on the import path (a student's folder may ship its own checks/)
+PYTHONPATH="$kit${PYTHONPATH:+:$PYTHONPATH}" exec "$python" -P -m checks "$@"

@@ -6,6 +6,8 @@
     ./check.sh list                     modules, titles and the status of your last check
     ./check.sh reset m02                back up mine/m02_... and put the stub back
     ./check.sh book                     build the book (a page per module, with your progress) in .kvlab/book/
+    ./check.sh grade DIR [MODULE ...] --gradescope results.json --junit report.xml
+                                        grade a student's folder in a sandbox (instructors)
 """
 
 import argparse
@@ -37,6 +39,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", metavar="FILE", help="also write every result to FILE as JSON")
     parser.add_argument("-k", metavar="EXPR", help="only checks whose name matches EXPR (pytest -k)")
     parser.add_argument("--time-limit", type=float, default=10.0, help="seconds one call of your code may take")
+    parser.add_argument("--memory-limit", type=float, default=4.0, metavar="GIB",
+                        help="GiB of memory the process running your code may use")
+    parser.add_argument("--gradescope", metavar="FILE", help="with grade: write Gradescope's results.json to FILE")
+    parser.add_argument("--junit", metavar="FILE", help="with grade: write JUnit XML to FILE")
+    parser.add_argument("--no-sandbox", action="store_true",
+                        help="with grade: run the submission without bubblewrap (every output says so)")
     parser.add_argument("--pytest", action="store_true", help="show pytest's own output as well (for kit developers)")
     parser.add_argument("--out", metavar="DIR", help="with book: the folder to write the book to (default .kvlab/book)")
     args = parser.parse_args(argv)
@@ -52,6 +60,10 @@ def main(argv: list[str] | None = None) -> int:
         return list_modules(registry.modules())
     if args.target[0] == "reset":
         return reset(args.target[1:], registry)
+    if args.target[0] == "grade":
+        from checks.grading import grade
+
+        return grade(args, registry, run)
     if args.target == ["book"]:
         from book.build import main as build_book
 
@@ -70,7 +82,10 @@ def main(argv: list[str] | None = None) -> int:
     return run(selected, args)
 
 
-def run(selected, args) -> int:
+def run(selected, args, impls: list[str] | None = None, extra: list[str] = (), remember_results: bool = True,
+        reporter=None) -> int:
+    """Run the checks of `selected` in this process (the report is a pytest plugin); learner code runs
+    in worker processes (checks/harness/worker.py). Exit status 0 only when every selected check passed."""
     import torch
 
     # Triton kernels run in its CPU interpreter when there is no GPU; it must be set before they load.
@@ -82,7 +97,7 @@ def run(selected, args) -> int:
     from checks.harness.loader import LoadError, named
     from checks.harness.report import Reporter, to_json
 
-    impls = args.impl or ["mine"]
+    impls = impls or args.impl or ["mine"]
     for label in impls:
         try:
             label in GROUPS or named(label)
@@ -90,8 +105,8 @@ def run(selected, args) -> int:
             print(f"./check.sh: {error}", file=sys.stderr)
             return 2
     pytest_args = [str(m.checks) for m in selected] + [
-        "--time-limit", str(args.time_limit), "-p", "no:cacheprovider",
-        "--rootdir", str(ROOT), "-c", str(ROOT / "pyproject.toml"),
+        "--time-limit", str(args.time_limit), "--memory-limit", str(args.memory_limit), "-p", "no:cacheprovider",
+        "--rootdir", str(ROOT), "-c", str(ROOT / "pyproject.toml"), *extra,
     ]
     for label in impls:
         pytest_args += ["--impl", label]
@@ -101,16 +116,20 @@ def run(selected, args) -> int:
         pytest_args += ["-k", args.k]
     if not args.pytest:
         pytest_args += ["-p", "no:terminal", "-s"]  # -s: a learner's print() shows up while debugging
-    reporter = Reporter(None, render=True)
-    code = pytest.main(pytest_args, plugins=[_Attach(reporter)])
-    results = reporter.results
+    reporter = reporter or Reporter(None, render=True)
+    code = None
+    try:
+        code = pytest.main(pytest_args, plugins=[_Attach(reporter)])
+    finally:
+        results = reporter.results
+        if args.json:  # always written: a run cut short says so, it never leaves an old file or none
+            seed = getattr(reporter.config, "kvlab_seed", None)
+            Path(args.json).write_text(json.dumps(to_json(results, seed, complete=code is not None), indent=1))
     if code not in (pytest.ExitCode.OK, pytest.ExitCode.TESTS_FAILED) or not results:
         print(f"./check.sh: the checks did not run (pytest exit code {int(code)}); rerun with --pytest to see why",
               file=sys.stderr)
         return 3
-    if args.json:
-        Path(args.json).write_text(json.dumps(to_json(results, reporter.config.kvlab_seed), indent=1))
-    if impls == ["mine"]:
+    if remember_results and impls == ["mine"]:
         remember(results)
     return 0 if all(r.status in ("passed", "skipped") for r in results) else 1
 

@@ -15,6 +15,18 @@ from checks.harness.toys import load_toy
 pytestmark = pytest.mark.m01
 
 TOLERANCE_KIND = "elementwise"
+# What `./check.sh grade` awards: a check's points, shared out over its cases (a module is worth the sum,
+# 20). An optional oracle's check (absent on most machines) is worth nothing.
+POINTS = {
+    "test_toy_rows": 2,
+    "test_toy_add_rms_norm": 2,
+    "test_matches_hf_rmsnorm": 4,
+    "test_fp16_large_values": 2,
+    "test_tiny_rows_where_eps_matters": 2,
+    "test_eps_is_used": 2,
+    "test_add_rms_norm_matches_hf_decoder_layer": 4,
+    "test_fp32_inputs_are_not_modified": 2,
+}
 CONTRACTS = {
     "rms_norm": lambda x, weight, eps: Returns.like(x, "[..., D] like x"),
     "add_rms_norm": lambda x, residual, weight, eps: (

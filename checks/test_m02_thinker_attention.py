@@ -20,6 +20,17 @@ from checks.harness.toys import load_toy
 pytestmark = pytest.mark.m02
 
 TOLERANCE_KIND = "attention"
+# What `./check.sh grade` awards: a check's points, shared out over its cases (a module is worth the sum,
+# 30). An optional oracle's check (absent on most machines) is worth nothing.
+POINTS = {
+    "test_toy_whole_prefill": 2,
+    "test_toy_two_calls": 2,
+    "test_prefill_matches_hf": 6,
+    "test_prefill_into_empty_cache": 4,
+    "test_chunked_prefill_matches_hf": 6,
+    "test_prefill_then_decode_matches_hf": 6,
+    "test_chunked_equals_whole_exactly": 4,
+}
 CONTRACTS = {
     "attention_forward": lambda w, x, cos, sin, cache=None: Returns.like(
         x, "[T, hidden]", shape=(x.shape[0], w.o_proj.shape[0])

@@ -31,6 +31,22 @@ def _tables(positions: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dtype)
     return tuple(Returns(shape, dtype, positions.device, "[T, D]") for _ in ("cos", "sin"))
 
 
+# What `./check.sh grade` awards: a check's points, shared out over its cases (a module is worth the sum,
+# 24). An optional oracle's check (absent on most machines) is worth nothing.
+POINTS = {
+    "test_toy_inverse_frequencies": 1,
+    "test_toy_tables": 1,
+    "test_toy_rotation": 1,
+    "test_toy_mrope": 1,
+    "test_inverse_frequencies_match_hf": 2,
+    "test_tables_match_hf": 3,
+    "test_rotation_matches_hf": 3,
+    "test_rotary_cache_matches_hf": 2,
+    "test_cached_rotary_matches_hf": 2,
+    "test_chunks_rotate_like_one_call": 2,
+    "test_mrope_matches_hf": 4,
+    "test_mrope_of_text_is_plain_rope": 2,
+}
 CONTRACTS = {
     "inverse_frequencies": lambda head_dim, theta: Returns((head_dim // 2,), torch.float32, torch.device("cpu"),
                                                            "[D/2] fp32"),

@@ -26,6 +26,24 @@ from checks.harness.toys import load_toy
 pytestmark = pytest.mark.p01
 
 TOLERANCE_KIND = "exact"  # bookkeeping: integers, compared exactly
+# What `./check.sh grade` awards: a check's points, shared out over its cases (a module is worth the sum,
+# 38). An optional oracle's check (absent on most machines) is worth nothing.
+POINTS = {
+    "test_toy_scenario": 4,
+    "test_toy_prefill_metadata": 2,
+    "test_toy_decode_metadata": 2,
+    "test_slot_of": 1,
+    "test_blocks_at_every_length": 3,
+    "test_can_append_when_no_block_is_free": 2,
+    "test_shared_prefix_and_last_block": 3,
+    "test_hash_is_chained": 3,
+    "test_freed_blocks_are_revived_and_reused_in_order": 3,
+    "test_token_ids_guard_against_collisions": 2,
+    "test_random_operations_match_the_model": 6,
+    "test_prefill_metadata": 3,
+    "test_prefill_metadata_without_a_cached_prefix": 1,
+    "test_decode_metadata": 3,
+}
 CONTRACTS = {}  # results are checked field by field below
 TOY = load_toy("p01_block_manager")
 set_hypothesis_home_dir(ROOT / ".kvlab" / "hypothesis")  # its cache goes with the kit's run state, not the cwd

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 import torch
 
 from book.i18n import UI, T
-from checks.harness.guard import argument_names, changed_input, leaves
+from checks.harness.values import argument_names, changed_input, leaves
 from checks.harness.loader import named
 from checks.harness.mistakes import catalogue
 from checks.harness.toys import load_toy

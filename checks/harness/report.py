@@ -33,6 +33,8 @@ class Result:
     seconds: float = 0.0
     verified_on: str = ""
     nodeid: str = ""
+    function: str = ""  # the check's test function (what POINTS names)
+    points: float = 0.0  # what the whole check is worth in `./check.sh grade`
 
 
 def check_title(item) -> str:
@@ -50,7 +52,11 @@ class Reporter:
         self.config = config
         self.render = render
         self.results: list[Result] = []
+        self.collected: list = []
         self.started = time.perf_counter()
+
+    def pytest_collection_finish(self, session):
+        self.collected = list(session.items)
 
     @pytest.hookimpl(hookwrapper=True)
     def pytest_runtest_makereport(self, item, call):
@@ -67,7 +73,8 @@ class Reporter:
         params = item.callspec.params if hasattr(item, "callspec") else {}
         impl = params["impl"].label if "impl" in params else ""
         result = Result(stem, check_title(item), case_id(item), impl, "passed", seed=case_seed(item),
-                        seconds=round(call.duration, 3), verified_on=verified_on(item), nodeid=item.nodeid)
+                        seconds=round(call.duration, 3), verified_on=verified_on(item), nodeid=item.nodeid,
+                        function=item.originalname, points=getattr(item.module, "POINTS", {}).get(item.originalname, 0))
         if report.skipped:
             result.status = "skipped"
             longrepr = report.longrepr
@@ -90,6 +97,20 @@ class Reporter:
             result.reason = f"{type(error).__name__}: {error} ({where} line {entry.lineno + 1})"
         return result
 
+    def deny_missing(self) -> None:
+        """Default-deny: a collected check that left no result (it never ran, or its run was cut short)
+        counts as failed, never as passed."""
+        seen = {r.nodeid for r in self.results}
+        for item in self.collected:
+            if item.nodeid in seen:
+                continue
+            params = item.callspec.params if hasattr(item, "callspec") else {}
+            self.results.append(Result(
+                module_stem(item.module), check_title(item), case_id(item),
+                params["impl"].label if "impl" in params else "", "failed", "the check did not finish (no result)",
+                seed=case_seed(item), verified_on=verified_on(item), nodeid=item.nodeid, function=item.originalname,
+                points=getattr(item.module, "POINTS", {}).get(item.originalname, 0)))
+
     def name_mistakes(self, item, stem: str) -> list[str]:
         guarded = item.funcargs.get("impl")
         if guarded is None or not guarded.events:
@@ -98,6 +119,7 @@ class Reporter:
         return [m.id for m in identify(guarded.events, stem, kind, guarded.time_limit)]
 
     def pytest_sessionfinish(self, session):
+        self.deny_missing()
         if self.render:
             render(self.results, self.config.kvlab_seed, time.perf_counter() - self.started)
 
@@ -177,5 +199,7 @@ def render(results: list[Result], seed: int, seconds: float, file=None) -> None:
     console.print(f"[dim]{seconds:.1f} s · replay this run exactly: add --seed {seed}[/]")
 
 
-def to_json(results: list[Result], seed: int) -> dict:
-    return {"seed": seed, "torch": torch.__version__, "results": [asdict(r) for r in results]}
+def to_json(results: list[Result], seed: int | None, complete: bool = True) -> dict:
+    passed = bool(results) and complete and all(r.status in ("passed", "skipped") for r in results)
+    return {"seed": seed, "torch": torch.__version__, "complete": complete, "passed": passed,
+            "results": [asdict(r) for r in results]}

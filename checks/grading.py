@@ -1,0 +1,214 @@
+"""`./check.sh grade`: a submission's score, in the terminal, as Gradescope's results.json and as JUnit XML.
+
+A check is worth the points its module declares (`POINTS` in `checks/test_<stem>.py`), shared out over
+its cases: a check that passes 3 of 4 cases earns three quarters of its points. A case that did not
+pass, for whatever reason (wrong, crashed, timed out, never ran), earns nothing. Skipped cases (an
+optional oracle that is absent) are left out of the share; optional checks are worth nothing.
+"""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+import xml.etree.ElementTree as ET
+from dataclasses import dataclass
+from pathlib import Path
+
+from checks.harness.modules import find
+
+SANDBOX_OFF = ("graded WITHOUT the sandbox (--no-sandbox): the submission ran with the grader's own "
+               "file system, network and user; a hostile submission could change its score")
+
+
+@dataclass
+class Check:
+    module: str  # stem
+    title: str
+    cases: list  # Result rows
+    points: float
+
+    @property
+    def counted(self) -> list:
+        return [c for c in self.cases if c.status != "skipped"]
+
+    @property
+    def passed(self) -> int:
+        return sum(c.status == "passed" for c in self.counted)
+
+    @property
+    def score(self) -> float:
+        return round(self.points * self.passed / len(self.counted), 2) if self.counted else 0.0
+
+    @property
+    def status(self) -> str:
+        return "passed" if self.passed == len(self.counted) else "failed"
+
+    def output(self) -> str:
+        lines = [f"{c.case + ': ' if c.case else ''}{c.reason}" for c in self.cases if c.status not in ("passed",
+                                                                                                       "skipped")]
+        named = sorted({m for c in self.cases for m in c.mistakes})
+        if named:
+            lines.append("matches the known mistake(s): " + ", ".join(named))
+        return "\n".join(lines)
+
+
+def checks_of(results: list) -> list[Check]:
+    grouped: dict[tuple[str, str], Check] = {}
+    for r in results:
+        key = (r.module, r.function or r.check)
+        if key not in grouped:
+            grouped[key] = Check(r.module, r.check, [], r.points)
+        grouped[key].cases.append(r)
+    return list(grouped.values())
+
+
+def module_name(stem: str) -> str:
+    module = find(stem)
+    return f"{module.id} · {module.title}" if module else stem
+
+
+def score_lines(checks: list[Check], sandboxed: bool) -> list[str]:
+    lines, total, most = [], 0.0, 0.0
+    for stem in dict.fromkeys(c.module for c in checks):
+        mine = [c for c in checks if c.module == stem]
+        got, out_of = sum(c.score for c in mine), sum(c.points for c in mine)
+        total, most = total + got, most + out_of
+        lines.append(f"{module_name(stem)}: {got:g} / {out_of:g} points")
+    lines.append(f"score: {total:g} / {most:g}")
+    if not sandboxed:
+        lines.append(SANDBOX_OFF)
+    return lines
+
+
+def gradescope(checks: list[Check], seconds: float, sandboxed: bool, seed: int) -> dict:
+    """Gradescope's autograder results.json: one test per check, with its score and its reasons."""
+    tests = []
+    for number, check in enumerate(checks, 1):
+        module = find(check.module)
+        tests.append({
+            "name": f"{module.id if module else check.module} · {check.title}",
+            "number": f"{module.id if module else check.module}.{number}",
+            "score": check.score,
+            "max_score": check.points,
+            "status": check.status,
+            "output": check.output(),
+            "visibility": "visible",
+            "tags": [module.id if module else check.module],
+        })
+    summary = score_lines(checks, sandboxed)
+    return {
+        "score": round(sum(c.score for c in checks), 2),
+        "execution_time": round(seconds, 1),
+        "output": "\n".join(summary + [f"seed {seed} (./check.sh MODULE --seed {seed} replays it)"]),
+        "visibility": "visible",
+        "stdout_visibility": "hidden",
+        "tests": tests,
+    }
+
+
+def junit(results: list, sandboxed: bool) -> bytes:
+    """JUnit XML: a testsuite per module, a testcase per case, `<failure>` with the one-line reason."""
+    suites = ET.Element("testsuites", name="KV Lab")
+    for stem in dict.fromkeys(r.module for r in results):
+        rows = [r for r in results if r.module == stem]
+        failures = [r for r in rows if r.status not in ("passed", "skipped")]
+        suite = ET.SubElement(suites, "testsuite", name=module_name(stem), tests=str(len(rows)),
+                              failures=str(len(failures)), skipped=str(sum(r.status == "skipped" for r in rows)),
+                              time=f"{sum(r.seconds for r in rows):.3f}")
+        if not sandboxed:
+            ET.SubElement(ET.SubElement(suite, "properties"), "property", name="sandbox", value=SANDBOX_OFF)
+        for r in rows:
+            case = ET.SubElement(suite, "testcase", classname=f"{stem}.{r.function or 'check'}",
+                                 name=f"{r.check} [{r.case}]" if r.case else r.check, time=f"{r.seconds:.3f}")
+            if r.status == "skipped":
+                ET.SubElement(case, "skipped", message=r.reason)
+            elif r.status != "passed":
+                ET.SubElement(case, "failure", message=r.reason, type=r.status).text = \
+                    r.reason + (f"\nmatches: {', '.join(r.mistakes)}" if r.mistakes else "")
+    return ET.tostring(suites, encoding="utf-8", xml_declaration=True)
+
+
+def write_outputs(results: list, seconds: float, sandboxed: bool, seed: int, gradescope_file: str | None,
+                  junit_file: str | None) -> list[Check]:
+    checks = checks_of(results)
+    if gradescope_file:
+        with open(gradescope_file, "w", encoding="utf-8") as out:
+            json.dump(gradescope(checks, seconds, sandboxed, seed), out, indent=1)
+    if junit_file:
+        with open(junit_file, "wb") as out:
+            out.write(junit(results, sandboxed))
+    return checks
+
+
+# ---- the command ---------------------------------------------------------------------------------
+
+
+def sandbox_problem() -> str | None:
+    """Why bubblewrap cannot sandbox here, or None when it can."""
+    bwrap = shutil.which("bwrap")
+    if bwrap is None:
+        return "bubblewrap (bwrap) is not installed: `apt-get install bubblewrap` (Debian/Ubuntu)"
+    probe = subprocess.run([bwrap, "--ro-bind", "/", "/", "--unshare-pid", "--unshare-net", "--dev", "/dev", "true"],
+                           capture_output=True, text=True)
+    if probe.returncode != 0:
+        return f"bubblewrap cannot build a sandbox here: {probe.stderr.strip().splitlines()[-1:]}"
+    return None
+
+
+def grade(args, registry, run) -> int:
+    """`./check.sh grade DIR [MODULE ...]`: copy DIR, check the copy in the sandbox, print and export the score."""
+    from checks.harness.report import Reporter
+
+    if len(args.target) < 2:
+        print("./check.sh grade: which folder? e.g. ./check.sh grade submissions/alice m01 m02", file=sys.stderr)
+        return 2
+    submission = Path(args.target[1]).expanduser()
+    if not submission.is_dir():
+        print(f"./check.sh grade: no such folder {submission}", file=sys.stderr)
+        return 2
+    selected = []
+    for name in args.target[2:] or [m.id for m in registry.modules()]:
+        module = registry.find(name)
+        if module is None:
+            print(f"./check.sh grade: no module {name!r}", file=sys.stderr)
+            return 2
+        selected.append(module)
+    sandboxed = not args.no_sandbox
+    problem = sandbox_problem() if sandboxed else None
+    if problem:
+        print(f"./check.sh grade: {problem}. Grading without it lets a submission reach the grader's files; "
+              "to do it anyway, add --no-sandbox (every output will say so).", file=sys.stderr)
+        return 2
+    shown = str(submission).rstrip("/") or "."
+    started = time.perf_counter()
+    with tempfile.TemporaryDirectory(prefix="kvlab-grade-") as temp:
+        copy = Path(temp) / "submission"
+        shutil.copytree(submission, copy, symlinks=True, ignore=shutil.ignore_patterns("__pycache__", ".git"))
+        open_to_the_worker(Path(temp), copy)
+        extra = ["--shown", shown, "--quiet-worker"] + (["--sandbox", str(copy)] if sandboxed else [])
+        reporter = Reporter(None, render=True)
+        code = run(selected, args, impls=[str(copy)], extra=extra, remember_results=False, reporter=reporter)
+    seconds = time.perf_counter() - started
+    checks = write_outputs(reporter.results, seconds, sandboxed, getattr(reporter.config, "kvlab_seed", 0),
+                           args.gradescope, args.junit)
+    print()
+    for line in score_lines(checks, sandboxed):
+        print(line)
+    for kind, path in (("Gradescope results", args.gradescope), ("JUnit XML", args.junit)):
+        if path:
+            print(f"{kind}: {path}")
+    return code
+
+
+def open_to_the_worker(temp: Path, copy: Path) -> None:
+    """A sandboxed worker runs as an unprivileged user: it must read (and may write) the copy."""
+    temp.chmod(0o755)
+    for folder, dirs, files in os.walk(copy):
+        os.chmod(folder, 0o777)
+        for name in files:
+            path = Path(folder) / name
+            if not path.is_symlink():
+                path.chmod(0o666)
