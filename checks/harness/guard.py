@@ -106,18 +106,31 @@ class Remote:
     def __init__(self, session: "ModuleRun", handle: int, generation: int, class_name: str, kind: str):
         self._session, self._handle, self._generation = session, handle, generation
         self._class_name, self._kind = class_name, kind
+        self._attributes: dict = {}  # its instance attributes as the worker last sent them
+        self._methods: tuple = ()  # its class's public methods
+        self._epoch = -1  # ... valid while no call has run since (ModuleRun.epoch)
 
     def __getattr__(self, name: str):
         if name.startswith("__"):
             raise AttributeError(name)
-        value = self._session.ask(("getattr", self, name), f"`{self._class_name}.{name}`")
+        if name in self._methods and name not in self._attributes:
+            qualified = f"{self._class_name}.{name}"
+            return lambda *args, **kwargs: self._session.guarded.call(qualified, (self, name), args, kwargs,
+                                                                       owner=self)
+        if self._epoch == self._session.epoch and name in self._attributes:
+            value = self._attributes[name]
+        else:
+            value = self._session.ask(("getattr", self, name), f"`{self._class_name}.{name}`")
         if isinstance(value, Remote) and value._kind == "function":
             qualified = f"{self._class_name}.{name}"
             return lambda *args, **kwargs: self._session.guarded.call(qualified, value, args, kwargs, owner=self)
         return value
 
     def __len__(self) -> int:
-        value = self._session.ask(("len", self), f"len(`{self._class_name}`)")
+        if self._epoch == self._session.epoch and "__len__" in self._attributes:
+            value = self._attributes["__len__"]
+        else:
+            value = self._session.ask(("len", self), f"len(`{self._class_name}`)")
         if type(value) is not int or value < 0:
             raise LearnerError(f"len() of a `{self._class_name}` returned {value!r}, expected an int >= 0")
         return value
@@ -149,8 +162,15 @@ class ParentCodec(wire.Codec):
         raise wire.WireError(f"a {type(value).__name__} cannot be sent to the worker")
 
     def decode_other(self, tag: str, rest: tuple):
-        if tag == "H" and len(rest) == 3 and type(rest[0]) is int and all(type(r) is str for r in rest[1:]):
-            return self.run.remote(*rest)
+        if tag == "H" and len(rest) == 5 and type(rest[0]) is int and all(type(r) is str for r in rest[1:3]):
+            remote = self.run.remote(*rest[:3])
+            if type(rest[4]) is list:
+                remote._methods = tuple(m for m in rest[4] if type(m) is str)
+            if type(rest[3]) is list:
+                remote._attributes = {name: self._decode(v) for name, v in (wire._pair(p) for p in rest[3])
+                                      if type(name) is str}
+                remote._epoch = self.run.epoch
+            return remote
         raise wire.WireError(f"unknown value {tag!r}")
 
 
@@ -163,6 +183,7 @@ class ModuleRun:
         self.session.codec_for = lambda session: ParentCodec(self)
         self.remotes: dict[tuple[int, int], Remote] = {}
         self.callbacks: list = []  # the check's callables the worker holds, by number
+        self.epoch = 0  # counts calls: an object's attributes read before the last call may be stale
         self.guarded: Guarded | None = None  # the check running now
 
     def remote(self, handle: int, class_name: str, kind: str) -> Remote:
@@ -190,6 +211,8 @@ class ModuleRun:
 
     def exchange(self, message, what: str):
         self.names()
+        if message[0] in ("call", "method"):
+            self.epoch += 1
         try:
             reply = self.session.request(message, self.time_limit, what)
         except (Overran, WorkerGone) as error:
@@ -270,7 +293,8 @@ class Guarded:
         last one's calls (the shrunk failing example) are replayed to name a mistake."""
         self.events.clear()
 
-    def call(self, name: str, target: Remote, args: tuple, kwargs: dict, owner: Remote | None = None,
+    def call(self, name: str, target: "Remote | tuple[Remote, str]", args: tuple, kwargs: dict,
+             owner: Remote | None = None,
              making: bool = False):
         if (self.impl.label, name) in _hung:
             raise LearnerError(f"not run: `{name}` hung in an earlier check (time limit {self.time_limit:g} s)")
@@ -281,15 +305,19 @@ class Guarded:
         write_keys = [key for key, value in arguments if writes.includes(value)]
         recorded_args = tuple(snapshot(a) for a in args)
         recorded_kwargs = {k: snapshot(v) for k, v in kwargs.items()}
+        if isinstance(target, tuple):  # (object, method name): one request, not a read then a call
+            message = ("method", target[0], target[1], name, args, kwargs, write_keys)
+        else:
+            message = ("call", target, name, args, kwargs, write_keys)
         try:
-            reply = self.run.exchange(("call", target, name, args, kwargs, write_keys), f"`{name}`")
+            reply = self.run.exchange(message, f"`{name}`")
         except LearnerError as error:
             if "did not return within" in str(error):
                 _hung.add((self.impl.label, name))
             raise
-        if reply[0] != "returned" or len(reply) != 6:
+        if reply[0] != "returned" or len(reply) != 8:
             raise LearnerError(f"`{name}`: the worker sent an unexpected reply")
-        _, result, changed, states, data, written = reply
+        _, result, changed, states, data, written, refused, _ = reply
         if making:
             if not isinstance(result, Remote):
                 raise LearnerError(f"`{name}(...)` did not make an object")
@@ -307,6 +335,8 @@ class Guarded:
                                 after, None if owner is None else id(owner)))
         if changed is not None:
             raise LearnerError(f"`{name}` changed its input `{changed}` in place", identifiable=True)
+        if refused is not None:  # an alias of an input: compared with the mutants all the same
+            raise LearnerError(str(refused), identifiable=True)
         if expected is not None and not isinstance(expected, Writes):
             problem = contract_problem(result, expected)
             if problem:

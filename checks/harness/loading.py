@@ -168,4 +168,5 @@ def first_line(error: BaseException) -> str:
         text = str(error).strip()
     except Exception:  # noqa: BLE001 - a learner's exception whose __str__ raises
         return "(its message cannot be shown)"
-    return text.splitlines()[0][:300] if text else ""
+    line = text.splitlines()[0] if text else ""
+    return line if len(line) <= 200 else line[:199] + "…"  # a reason stays one readable line

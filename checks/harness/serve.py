@@ -62,9 +62,12 @@ def record(class_name: str, fields: dict) -> Record:
 
 
 class WorkerCodec(wire.Codec):
+    SNAPSHOT_DEPTH = 2  # an object's attributes travel with its handle, and those of the objects it holds
+
     def __init__(self, worker: "Worker"):
         super().__init__()
         self.worker = worker
+        self.depth = 0
 
     def other(self, value):
         if isinstance(value, type):
@@ -79,7 +82,33 @@ class WorkerCodec(wire.Codec):
             name = f"{type(owner).__name__}.{name}"
         elif kind == "object":
             name = type(value).__name__
-        return ("H", self.worker.keep(value), str(name), kind)
+        return ("H", self.worker.keep(value), str(name), kind, self.snapshot(value) if kind == "object" else None,
+                methods(value) if kind == "object" else [])
+
+    def snapshot(self, value):
+        """The object's public instance attributes, so the checks read them without asking again."""
+        if self.depth >= self.SNAPSHOT_DEPTH:
+            return None
+        try:
+            found = vars(value)
+        except TypeError:
+            return None
+        if type(found) is not dict:
+            return None
+        self.depth += 1
+        try:
+            pairs = [(k, self.encode(v)) for k, v in list(found.items()) if type(k) is str and not k.startswith("_")]
+            if hasattr(type(value), "__len__"):
+                try:
+                    pairs.append(("__len__", len(value)))
+                except Exception:  # noqa: BLE001 - the checks' own len() will ask, and report it
+                    pass
+            return pairs
+        except (wire.WireError, RecursionError):
+            return None
+        finally:
+            self.depth -= 1
+
 
     def decode_other(self, tag: str, rest: tuple):
         if tag == "R" and len(rest) == 1 and rest[0] in self.worker.objects:
@@ -89,6 +118,16 @@ class WorkerCodec(wire.Codec):
         if tag == "F" and len(rest) == 1:
             return self.worker.callback(rest[0])
         raise wire.WireError(f"unknown value {tag!r}")
+
+
+def methods(value) -> list[str]:
+    """The public methods of an object's class (defined in Python), which the checks may call."""
+    found = []
+    for cls in type(value).__mro__[:-1]:
+        for name, member in vars(cls).items():
+            if not name.startswith("_") and isinstance(member, types.FunctionType) and name not in found:
+                found.append(name)
+    return found
 
 
 # ---- a worker ---------------------------------------------------------------------------------------
@@ -141,7 +180,11 @@ class Worker:
             except (wire.Closed, ConnectionError):
                 return
             handler = getattr(self, f"do_{request[0]}")
-            handler(*request[1:])
+            try:
+                handler(*request[1:])
+            except Exception as error:  # noqa: BLE001 - the learner's code broke what this side relies on
+                self.reply("raised", f"the worker could not report the result ({type(error).__name__}: "
+                                     f"{first_line(error)}): has your code replaced parts of torch or Python?")
 
     # ---- requests ----
     def do_load(self, folder: str, shown: str, patch, label: str, stem: str) -> None:
@@ -165,10 +208,18 @@ class Worker:
             self.handles.pop(id(obj), None)
 
     def do_getattr(self, obj, name: str) -> None:
-        self.run(lambda: getattr(obj, name), f"reading `.{name}`")
+        self.run(lambda: getattr(obj, name), f"reading `.{name}`", obj)
 
     def do_len(self, obj) -> None:
         self.run(lambda: len(obj), "len()")
+
+    def do_method(self, obj, method: str, name: str, args: tuple, kwargs: dict, writes: list) -> None:
+        try:
+            fn = getattr(obj, method)
+        except BaseException as error:  # noqa: BLE001
+            self.reply("raised", f"`{name}` cannot be read: {self.package.describe(error, self.stem)}")
+            return
+        self.do_call(fn, name, args, kwargs, writes)
 
     def do_call(self, fn, name: str, args: tuple, kwargs: dict, writes: list) -> None:
         written = [args[key] if isinstance(key, int) else kwargs[key] for key in writes]
@@ -190,18 +241,17 @@ class Worker:
         codec = WorkerCodec(self)
         states = {codec.worker.keep(v): leaves(v) for v in involved}
         data = {codec.worker.keep(v): plain(v) for v in involved}
-        aliased = [t for t in leaves_of(result) if _storage(t) in inputs]
-        if aliased:
-            self.reply("raised", f"`{name}` returned one of its inputs (or a view of it): return new tensors")
-            return
         subclass = [type(t).__name__ for t in leaves_of(result) if type(t) not in (torch.Tensor, torch.nn.Parameter)]
         if subclass:
             self.reply("raised", f"`{name}` returned a {subclass[0]} (a torch.Tensor subclass): return plain tensors")
             return
+        aliased = [t for t in leaves_of(result) if _storage(t) in inputs]
+        refused = f"`{name}` returned one of its inputs (or a view of it): return new tensors" if aliased else None
         changed = changed_input(before, names)
-        self.reply("returned", result, changed, states, data, dict(zip(writes, written)), codec=codec)
+        self.reply("returned", result, changed, states, data, dict(zip(writes, written)), refused, involved,
+                   codec=codec)  # `involved` again: their attributes as the call left them
 
-    def run(self, action, what: str) -> None:
+    def run(self, action, what: str, owner=None) -> None:
         try:
             value = action()
         except NotImplementedError:
@@ -210,7 +260,7 @@ class Worker:
         except BaseException as error:  # noqa: BLE001
             self.reply("raised", f"{what} raised {self.package.describe(error, self.stem)}")
             return
-        self.reply("value", value)
+        self.reply("value", value, owner)  # the owner again: its attributes as they are now
 
 
 def leaves_of(value) -> list[torch.Tensor]:

@@ -132,3 +132,18 @@ def test_pitfalls_are_the_mistake_catalogue(stem):
     pitfalls = text.split("## Pitfalls", 1)[1].split("\n## ", 1)[0]
     ids = re.findall(r"^- `([a-z0-9-]+)`:", pitfalls, re.M)
     assert sorted(ids) == sorted(m.id for m in catalogue(stem).mistakes)
+
+
+@pytest.mark.parametrize("stem", STEMS)
+def test_points_name_exactly_the_checks(stem):
+    """`./check.sh grade` awards POINTS: one entry per check of the module, none left over."""
+    source = (ROOT / "checks" / f"test_{stem}.py").read_text()
+    checks = {node.name for node in ast.parse(source).body
+              if isinstance(node, ast.FunctionDef) and node.name.startswith("test_")}
+    namespace = {}
+    points = next(node for node in ast.parse(source).body
+                  if isinstance(node, ast.Assign) and getattr(node.targets[0], "id", "") == "POINTS")
+    exec(compile(ast.Module([points], []), "POINTS", "exec"), namespace)
+    assert set(namespace["POINTS"]) == checks
+    assert all(isinstance(v, int) and v >= 0 for v in namespace["POINTS"].values())
+    assert sum(namespace["POINTS"].values()) > 0

@@ -1,0 +1,365 @@
+"""Submissions that attack the grader, and what they get: a failed verdict with a one-line reason.
+
+Every attack is an `m01_rmsnorm.py` (the smallest module) whose functions misbehave in one way. The
+ones that need nothing but the worker process run together as `--impl` folders of one learner-mode
+run; the ones that reach for the machine (the kit's files, the results file, memory, processes, the
+network, the grader's environment) run through `./check.sh grade` in the sandbox, one by one. Each
+must end with a nonzero exit, a report and JSON that say failed, and nothing changed outside the
+submission's copy.
+"""
+
+import hashlib
+import json
+import os
+import socket
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from checks.grading import sandbox_problem
+from checks.harness.loader import ROOT
+
+CORRECT = (ROOT / "solutions" / "m01_rmsnorm.py").read_text()
+ZEROS = """
+def rms_norm(x, weight, eps):
+    return torch.zeros_like(x)
+
+
+def add_rms_norm(x, residual, weight, eps):
+    return torch.zeros_like(x), torch.zeros_like(x)
+"""
+
+
+def attack(body: str, functions: str = ZEROS) -> str:
+    return "import os, signal, sys, time\nimport torch\n\n" + textwrap.dedent(body) + "\n" + functions
+
+
+def both(statement: str) -> str:
+    """Both public functions run `statement` (then return zeros)."""
+    lines = textwrap.indent(textwrap.dedent(statement).strip(), "    ")
+    return (f"def rms_norm(x, weight, eps):\n{lines}\n    return torch.zeros_like(x)\n\n\n"
+            f"def add_rms_norm(x, residual, weight, eps):\n{lines}\n    return torch.zeros_like(x), torch.zeros_like(x)\n")
+
+
+# name -> (the file, text its reasons must contain)
+IN_THE_WORKER = {
+    "patches-the-harness": (attack("""
+        for name, module in list(sys.modules.items()):
+            if name.startswith("checks"):
+                for attr in ("expect_close", "close_enough", "contract_problem"):
+                    if hasattr(module, attr):
+                        setattr(module, attr, lambda *a, **k: True)
+        try:
+            import checks.harness.compare as compare
+            compare.expect_close = lambda *a, **k: None
+        except Exception:
+            pass
+    """), "max error"),
+    "patches-torch": (attack("""
+        torch.allclose = lambda *a, **k: True
+        torch.equal = lambda *a, **k: True
+        torch.Tensor.__eq__ = lambda self, other: torch.ones((), dtype=torch.bool)
+        torch.isclose = lambda a, b, *args, **kw: torch.ones_like(a, dtype=torch.bool)
+    """), ""),
+    "patches-pytest-and-the-reporter": (attack("""
+        import pytest
+        pytest.fail = lambda *a, **k: None
+        try:
+            from checks.harness import report
+            report.Reporter.classify = lambda self, item, call, rep: None
+        except Exception:
+            pass
+    """), "max error"),
+    "imports-the-reference": (attack("from solutions.m01_rmsnorm import *  # noqa\n", ""), "No module named"),
+    "sys-exit-at-import": (attack("sys.exit(0)"), "importing"),
+    "os-exit-at-import": (attack("os._exit(0)"), "exited with status 0"),
+    "kills-itself-at-import": (attack("os.kill(os.getpid(), signal.SIGKILL)"), "SIGKILL"),
+    "sys-exit-in-a-call": (attack("", both("sys.exit(0)")), "SystemExit"),
+    "os-exit-in-a-call": (attack("", both("os._exit(3)")), "exited with status 3"),
+    "kills-itself-in-a-call": (attack("", both("os.kill(os.getpid(), signal.SIGTERM)")), "SIGTERM"),
+    "segfaults": (attack("", both("import ctypes; ctypes.string_at(0)")), "SIGSEGV"),
+    "hangs-in-python": (attack("", both("while True: pass")), "did not return within"),
+    "hangs-inside-a-torch-call": (attack("", both("torch.linalg.matrix_power(torch.randn(2500, 2500), 10**9)")),
+                                  "did not return within"),
+    "reads-the-callers-frames": (attack("", both("""
+        frame = sys._getframe(1)
+        while frame is not None:
+            for value in list(frame.f_locals.values()):
+                if isinstance(value, torch.Tensor) and value.shape == x.shape and value is not x:
+                    return value
+            frame = frame.f_back
+    """)), "max error"),
+    "returns-its-input": (attack("", "def rms_norm(x, weight, eps):\n    return x\n\n\n"
+                                     "def add_rms_norm(x, residual, weight, eps):\n    return x, residual\n"),
+                          "returned one of its inputs"),
+    "returns-a-view-of-its-input": (attack("", "def rms_norm(x, weight, eps):\n    return x.view_as(x)\n\n\n"
+                                               "def add_rms_norm(x, residual, weight, eps):\n"
+                                               "    return x[:], residual.view_as(residual)\n"),
+                                    "returned one of its inputs"),
+    "returns-a-lying-tensor-subclass": (attack("""
+        class Liar(torch.Tensor):
+            def __eq__(self, other):
+                return True
+            def __sub__(self, other):
+                return torch.zeros(()).as_subclass(Liar)
+            def abs(self):
+                return torch.zeros(())
+    """, "def rms_norm(x, weight, eps):\n    return torch.zeros_like(x).as_subclass(Liar)\n\n\n"
+         "def add_rms_norm(x, residual, weight, eps):\n"
+         "    return torch.zeros_like(x).as_subclass(Liar), torch.zeros_like(x).as_subclass(Liar)\n"),
+        "subclass"),
+    "raises-keyboard-interrupt": (attack("", both("raise KeyboardInterrupt")), "KeyboardInterrupt"),
+    "raises-pytest-skip": (attack("", both("import pytest; pytest.skip('not today')")), "Skipped"),
+    "raises-pytest-exit": (attack("", both("import pytest; pytest.exit('stop', returncode=0)")), "Exit"),
+    "raises-a-base-exception": (attack("class Escape(BaseException):\n    pass\n", both("raise Escape('out')")),
+                                "Escape"),
+    "hides-an-in-place-write-behind-star-args": (attack("", """
+def rms_norm(*args):
+    x = args[0]
+    out = (x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + args[2])).to(x.dtype) * args[1]
+    x.zero_()
+    return out
+
+
+def add_rms_norm(*args):
+    x, residual = args[0], args[1]
+    x.add_(residual)
+    return torch.zeros_like(x), x.clone()
+"""), "in place"),
+    "behaves-differently-when-it-detects-the-checks": (attack("""
+        WATCHED = "pytest" in sys.modules or "PYTEST_CURRENT_TEST" in os.environ or any(
+            name.startswith("checks") for name in sys.modules)
+    """, both("""
+        if WATCHED:
+            raise RuntimeError("found the checks")
+    """)), "max error"),
+    "writes-garbage-to-its-channel": (attack("", both("""
+        for fd in range(3, 64):
+            try:
+                os.write(fd, b"\\xff" * 64)
+            except OSError:
+                pass
+    """)), "not a reply"),
+    "forges-a-passing-reply": (attack("""
+        import pickle, struct
+        def forge():
+            message = pickle.dumps((("T", ["returned", ("X", 0, "float32", [1], [1], 0, "cpu"), None,
+                                             ("D", []), ("D", []), ("D", []), None, ("L", [])]), [b"\\0\\0\\0\\0"]))
+            for fd in range(3, 64):
+                try:
+                    os.write(fd, struct.pack("<Q", len(message)) + message)
+                except OSError:
+                    pass
+    """, both("forge()")), ""),
+}
+
+
+def write_attack(folder: Path, text: str) -> Path:
+    folder.mkdir(parents=True)
+    (folder / "m01_rmsnorm.py").write_text(text)
+    return folder
+
+
+def check_sh(*args, cwd=ROOT, env=None, timeout=600):
+    done = subprocess.run([str(ROOT / "check.sh"), *args], cwd=cwd, capture_output=True, text=True, timeout=timeout,
+                          env={**os.environ, "KVLAB_PYTHON": sys.executable, "COLUMNS": "140", **(env or {})})
+    return done.returncode, done.stdout + done.stderr
+
+
+def one_line_failures(rows: list[dict], expect: str) -> None:
+    """Every check fails (the untouched-inputs check may pass on zeros), each with one line."""
+    assert rows, "the attack was not run"
+    value_checks = [r for r in rows if r["function"] != "test_fp32_inputs_are_not_modified"]
+    assert all(r["status"] == "failed" for r in value_checks), {(r["check"], r["status"], r["reason"]) for r in
+                                                              value_checks if r["status"] != "failed"}
+    for r in rows:
+        assert "\n" not in r["reason"] and len(r["reason"]) < 400 and "Traceback" not in r["reason"], r["reason"]
+    assert any(expect in r["reason"] for r in value_checks), [r["reason"] for r in value_checks][:4]
+
+
+@pytest.fixture(scope="module")
+def worker_attacks(tmp_path_factory):
+    top = tmp_path_factory.mktemp("attacks")
+    folders = {name: write_attack(top / name, text) for name, (text, _) in IN_THE_WORKER.items()}
+    impls = [arg for folder in folders.values() for arg in ("--impl", str(folder))]
+    report = top / "results.json"
+    started = time.monotonic()
+    code, out = check_sh("m01", *impls, "--time-limit", "2", "--json", str(report))
+    return folders, code, out, json.loads(report.read_text()), time.monotonic() - started
+
+
+@pytest.mark.parametrize("name", IN_THE_WORKER)
+def test_an_attack_from_the_worker_fails(worker_attacks, name):
+    folders, code, out, results, _ = worker_attacks
+    assert code == 1 and results["passed"] is False
+    rows = [r for r in results["results"] if r["impl"].endswith(f"/{name}")]
+    one_line_failures(rows, IN_THE_WORKER[name][1])
+    assert sorted(p.name for p in folders[name].iterdir()) == ["m01_rmsnorm.py"]  # nothing written beside it
+
+
+def test_the_run_goes_on_and_leaves_nothing_running(worker_attacks):
+    _, _, out, results, seconds = worker_attacks
+    assert "Traceback" not in out
+    assert len({r["impl"] for r in results["results"]}) == len(IN_THE_WORKER)
+    stray = subprocess.run(["pgrep", "-f", "kvlab_worker"], capture_output=True, text=True).stdout.split()
+    assert not stray, f"worker processes left running: {stray}"
+
+
+# ---- through `./check.sh grade`, in the sandbox -------------------------------------------------------
+
+needs_sandbox = pytest.mark.skipif(sandbox_problem() is not None, reason=f"no sandbox here: {sandbox_problem()}")
+
+
+def kit_fingerprint() -> dict[str, str]:
+    """Every file of the kit but run state and environments, by content."""
+    found = {}
+    for path in sorted(ROOT.rglob("*")):
+        parts = path.relative_to(ROOT).parts
+        if path.is_file() and not {".venv", "__pycache__"} & set(parts) and parts[0] not in (".kvlab",):
+            found[str(path.relative_to(ROOT))] = hashlib.sha256(path.read_bytes()).hexdigest()
+    return found
+
+
+def grade(tmp_path: Path, text: str, *extra: str, env=None, cwd=ROOT, folder: Path | None = None):
+    submission = folder or write_attack(tmp_path / "submission", text)
+    results = tmp_path / "results.json"
+    code, out = check_sh("grade", str(submission), "m01", "--gradescope", str(results), "--time-limit", "3",
+                         *extra, cwd=cwd, env=env)
+    return code, out, json.loads(results.read_text()), submission
+
+
+def assert_graded_as_failed(code: int, out: str, scored: dict, out_of: float = 20) -> None:
+    assert code == 1, out[-2000:]
+    assert scored["score"] < out_of and "Traceback" not in out
+    assert any(t["status"] == "failed" for t in scored["tests"])
+    for test in scored["tests"]:
+        for line in test["output"].splitlines():
+            assert len(line) < 400
+
+
+SANDBOX_ATTACKS = {
+    "writes-into-the-kit": both(f"""
+        for target in ("solutions/m01_rmsnorm.py", ".kvlab/results.json", ".git/hooks/pre-commit",
+                       "checks/__pycache__/conftest.cpython-311.pyc", "checks/harness/compare.py"):
+            try:
+                with open(os.path.join({str(ROOT)!r}, target), "w") as f:
+                    f.write("pwned")
+            except OSError:
+                pass
+        import site
+        for folder in site.getsitepackages():
+            try:
+                with open(os.path.join(folder, "sitecustomize.py"), "w") as f:
+                    f.write("raise SystemExit")
+            except OSError:
+                pass
+    """),
+    "reads-the-reference": both(f"""
+        namespace = {{}}
+        exec(open(os.path.join({str(ROOT)!r}, "solutions", "m01_rmsnorm.py")).read(), namespace)
+        return namespace["rms_norm"](x, weight, eps)
+    """),
+    "exhausts-memory": both("""
+        hog = torch.ones(64 * 2**30 // 4)
+        blocks = [bytearray(2**30) for _ in range(64)]
+    """),
+    "forks-without-end": both("""
+        while True:
+            os.fork()
+    """),
+    "leaks-the-graders-environment": both("raise RuntimeError(' '.join(f'{k}={v}' for k, v in os.environ.items()))"),
+    "calls-the-oracle-library": both("""
+        from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm
+        norm = Qwen3RMSNorm(x.shape[-1], eps)
+        norm.weight.data.copy_(weight)
+        return norm(x)
+    """),
+}
+
+
+@needs_sandbox
+@pytest.mark.parametrize("name", SANDBOX_ATTACKS)
+def test_an_attack_on_the_machine_fails_in_the_sandbox(tmp_path, name):
+    before = kit_fingerprint()
+    code, out, scored, submission = grade(tmp_path, attack("", SANDBOX_ATTACKS[name]),
+                                          env={"KVLAB_GRADER_SECRET": "s3cret-token-42"})
+    assert_graded_as_failed(code, out, scored)
+    assert "s3cret-token-42" not in json.dumps(scored) and "s3cret-token-42" not in out
+    assert kit_fingerprint() == before, "the submission changed the kit"
+    assert sorted(p.name for p in submission.iterdir()) == ["m01_rmsnorm.py"], "grade wrote into the submission"
+
+
+@needs_sandbox
+def test_no_network_in_the_sandbox(tmp_path):
+    listener = socket.create_server(("127.0.0.1", 0))
+    listener.settimeout(0.1)
+    port = listener.getsockname()[1]
+    text = attack("", both(f"""
+        import socket
+        socket.create_connection(("127.0.0.1", {port}), timeout=1).sendall(b"hello")
+    """))
+    code, out, scored, _ = grade(tmp_path, text)
+    assert_graded_as_failed(code, out, scored)
+    with pytest.raises(TimeoutError):
+        listener.accept()
+    assert any("ConnectionRefusedError" in t["output"] or "OSError" in t["output"] for t in scored["tests"])
+
+
+@needs_sandbox
+def test_a_process_that_outlives_the_grader_cannot_rewrite_the_results(tmp_path):
+    results = tmp_path / "results.json"
+    text = attack(f"""
+        if os.fork() == 0:
+            os.setsid()
+            if os.fork() == 0:
+                time.sleep(3)
+                for target in ({str(results)!r}, {str(ROOT / ".kvlab" / "late.json")!r}):
+                    try:
+                        with open(target, "w") as f:
+                            f.write('{{"score": 100}}')
+                    except OSError:
+                        pass
+            os._exit(0)
+    """)
+    code, out, scored, _ = grade(tmp_path, text)
+    assert_graded_as_failed(code, out, scored)
+    time.sleep(4)
+    assert json.loads(results.read_text()) == scored
+    assert not (ROOT / ".kvlab" / "late.json").exists()
+
+
+@needs_sandbox
+def test_grading_from_inside_a_folder_that_ships_its_own_checks(tmp_path):
+    submission = write_attack(tmp_path / "student", attack(""))
+    fake = submission / "checks"
+    fake.mkdir()
+    (fake / "__init__.py").write_text("")
+    (fake / "__main__.py").write_text("import json, sys\nprint('score: 20 / 20')\nsys.exit(0)\n")
+    code, out, scored, _ = grade(tmp_path, "", cwd=submission, folder=Path("."))
+    assert_graded_as_failed(code, out, scored)
+
+
+@needs_sandbox
+def test_an_honest_submission_scores_everything(tmp_path):
+    code, out, scored, submission = grade(tmp_path, CORRECT)
+    assert code == 0, out[-2000:]
+    assert scored["score"] == 20 and all(t["status"] == "passed" for t in scored["tests"])
+    assert "score: 20 / 20" in out
+
+
+def test_grade_refuses_without_a_sandbox_unless_told(tmp_path):
+    submission = write_attack(tmp_path / "submission", CORRECT)
+    env = {"PATH": "/nonexistent"}  # no bwrap on this PATH
+    done = subprocess.run([sys.executable, "-P", "-m", "checks", "grade", str(submission), "m01"], cwd=ROOT,
+                          capture_output=True, text=True, env={**os.environ, **env, "PYTHONPATH": str(ROOT)})
+    assert done.returncode == 2 and "--no-sandbox" in done.stderr
+    report = tmp_path / "r.json"
+    done = subprocess.run([sys.executable, "-P", "-m", "checks", "grade", str(submission), "m01", "--no-sandbox",
+                           "--gradescope", str(report)], cwd=ROOT, capture_output=True, text=True,
+                          env={**os.environ, **env, "PYTHONPATH": str(ROOT)})
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "WITHOUT the sandbox" in done.stdout and "WITHOUT the sandbox" in json.loads(report.read_text())["output"]
