@@ -25,10 +25,10 @@ from dataclasses import dataclass, field
 import torch
 
 from book.i18n import UI, T
-from checks.harness.values import argument_names, changed_input, leaves
 from checks.harness.loader import named
 from checks.harness.mistakes import catalogue
 from checks.harness.toys import load_toy
+from checks.harness.values import argument_names, changed_input, leaves
 
 DECIMALS = 4
 

@@ -16,7 +16,7 @@ import pickle
 import select
 import struct
 import time
-from collections import deque
+from collections import deque, namedtuple
 
 import torch
 
@@ -63,6 +63,8 @@ class Codec:
             return ("Q", [self.encode(v) for v in value])
         if kind is torch.Tensor or kind is torch.nn.Parameter:
             return self.encode_tensor(value)
+        if isinstance(value, tuple) and hasattr(kind, "_fields"):  # a NamedTuple: a tuple with field names
+            return ("NT", kind.__name__, list(kind._fields), [self.encode(v) for v in value])
         if kind is torch.dtype:
             return ("DT", str(value).removeprefix("torch."))
         if kind is torch.device:
@@ -113,6 +115,8 @@ class Codec:
             return torch.device(rest[0])
         if tag == "SZ":
             return torch.Size(_ints(_items(rest)))
+        if tag == "NT" and len(rest) == 3 and type(rest[0]) is str and type(rest[1]) is list:
+            return _named_tuple(rest[0], tuple(rest[1]))(*(self._decode(v) for v in _items(rest[2:])))
         return self.decode_other(tag, rest)
 
     def _decode_tensor(self, index, dtype, shape, stride, offset, device):
@@ -134,6 +138,19 @@ class Codec:
 
     def decode_other(self, tag: str, rest: tuple):
         raise WireError(f"unknown value tag {tag!r}")
+
+
+_named_tuples: dict = {}
+
+
+def _named_tuple(name: str, fields: tuple):
+    """A NamedTuple class of this side with the other side's name and fields."""
+    if (name, fields) not in _named_tuples:
+        try:
+            _named_tuples[(name, fields)] = namedtuple(name, fields)
+        except (ValueError, TypeError) as error:
+            raise WireError(f"a NamedTuple that cannot be rebuilt ({error})") from None
+    return _named_tuples[(name, fields)]
 
 
 def _items(rest: tuple) -> list:

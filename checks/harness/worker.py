@@ -84,8 +84,6 @@ def bubblewrap_command(writable: list[Path], cuda: bool) -> list[str]:
     if bwrap is None:
         raise SandboxUnavailable("bubblewrap (bwrap) is not installed: `apt-get install bubblewrap` "
                                  "(Debian/Ubuntu), or grade with --no-sandbox")
-    from .loading import __file__ as _  # noqa: F401 - the kit folder is found from this module's path
-
     kit = HERE.parents[1]
     command = [bwrap, "--unshare-ipc", "--unshare-pid", "--unshare-net", "--unshare-uts", "--unshare-cgroup-try",
                "--die-with-parent", "--new-session", "--tmpfs", "/tmp", "--dev", "/dev", "--proc", "/proc"]
@@ -118,10 +116,11 @@ def bubblewrap_command(writable: list[Path], cuda: bool) -> list[str]:
         parents_of(folder)
         command.extend(["--ro-bind", str(folder), str(folder)])
         made.add(folder)
-    for folder in sorted(python_folders):
+    for folder in sorted(python_folders):  # the oracle library and any installed copy of the kit: empty there
         for name in HIDDEN_PACKAGES:
             hidden = folder / name
-            if hidden.is_dir() and not hidden.is_relative_to(kit) or hidden.is_dir() and "site-packages" in str(hidden):
+            in_sandbox = not folder.is_relative_to(kit) or folder.is_relative_to(kit / ".venv")
+            if hidden.is_dir() and in_sandbox:
                 command.extend(["--tmpfs", str(hidden)])
     for folder in writable:
         parents_of(folder)

@@ -42,7 +42,8 @@ def both(statement: str) -> str:
     """Both public functions run `statement` (then return zeros)."""
     lines = textwrap.indent(textwrap.dedent(statement).strip(), "    ")
     return (f"def rms_norm(x, weight, eps):\n{lines}\n    return torch.zeros_like(x)\n\n\n"
-            f"def add_rms_norm(x, residual, weight, eps):\n{lines}\n    return torch.zeros_like(x), torch.zeros_like(x)\n")
+            f"def add_rms_norm(x, residual, weight, eps):\n{lines}\n"
+            "    return torch.zeros_like(x), torch.zeros_like(x)\n")
 
 
 # name -> (the file, text its reasons must contain)
