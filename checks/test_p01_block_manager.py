@@ -186,7 +186,11 @@ def invariant_problem(state: State, live: dict, holds: dict, block_size: int) ->
             return f"block {b} has ref_count {state.refs[b]} and is {'' if b in state.free else 'not '}free"
     for key, b in state.entries.items():
         if not 0 <= b < n or state.hashes[b] != key or not state.full[b]:
-            return f"hash_to_block_id has an entry for block {b}, which no longer holds that full block"
+            if not 0 <= b < n:
+                return f"hash_to_block_id maps hash {key} to block {b}, which does not exist"
+            held = "its token_ids fill it" if state.full[b] else "its token_ids do not fill it"
+            return (f"hash_to_block_id maps hash {key} to block {b}, whose hash is {state.hashes[b]} and {held}: "
+                    f"an entry must point at a full block with that hash")
     for name, seq in live.items():
         length, table, cached = len(seq), list(seq.block_table), seq.num_cached_tokens
         if len(table) != -(-length // block_size):
@@ -560,17 +564,45 @@ def test_random_operations_match_the_model(impl, seed, config):
 # ---- metadata --------------------------------------------------------------------------------------------
 
 
-def random_batch(impl, gen, block_size: int, prefill: bool):
+@dataclass(frozen=True)
+class Spec:
+    """A sequence as the check keeps it: its own copy, read before and after the learner's call."""
+
+    token_ids: tuple
+    block_size: int
+    block_table: tuple
+    num_cached_tokens: int
+
+    def __len__(self) -> int:
+        return len(self.token_ids)
+
+
+def random_batch(gen, block_size: int, prefill: bool) -> list[Spec]:
     """2-4 sequences with random tokens, distinct random blocks, and (prefill) random cached prefixes."""
     free = torch.randperm(60, generator=gen).tolist()
-    seqs = []
+    specs = []
     for _ in range(int(torch.randint(2, 5, (), generator=gen))):
         length = int(torch.randint(1, 4 * block_size + 2, (), generator=gen))
         table = [free.pop() for _ in range(-(-length // block_size))]
         cached = block_size * int(torch.randint(0, (length - 1) // block_size + 1, (), generator=gen)) if prefill else 0
         tokens = torch.randint(0, 1000, (length,), generator=gen).tolist()
-        seqs.append(impl.Sequence(tokens, block_size, table, cached))
-    return seqs
+        specs.append(Spec(tuple(tokens), block_size, tuple(table), cached))
+    return specs
+
+
+def metadata_of(impl, function: str, specs: list[Spec], expected: dict, what: str) -> None:
+    """Expected values first, from the check's own copy; then the call; then: were the inputs left alone?"""
+    seqs = [impl.Sequence(list(s.token_ids), s.block_size, list(s.block_table), s.num_cached_tokens) for s in specs]
+    result = getattr(impl, function)(seqs)
+    for i, (seq, spec) in enumerate(zip(seqs, specs)):
+        for field in ("token_ids", "block_table", "num_cached_tokens"):
+            got, was = getattr(seq, field), getattr(spec, field)
+            if not isinstance(was, int):
+                got, was = list(got), list(was)
+            if got != was:
+                raise LearnerError(f"`{function}` changed its input in place: seqs[{i}].{field} is {got}, was {was}",
+                                   identifiable=True)
+    expect_metadata(result, expected, what)
 
 
 def prefill_expected(seqs) -> dict:
@@ -628,19 +660,19 @@ def expect_metadata(result, expected: dict, what: str) -> None:
 def test_prefill_metadata(impl, gen, block_size):
     """prefill metadata equals the one computed token by token (positions from the cached prefix on)"""
     for _ in range(4):
-        seqs = random_batch(impl, gen, block_size, prefill=True)
-        expect_metadata(impl.prefill_metadata(seqs), prefill_expected(seqs), "prefill")
+        specs = random_batch(gen, block_size, prefill=True)
+        metadata_of(impl, "prefill_metadata", specs, prefill_expected(specs), "prefill")
 
 
 def test_prefill_metadata_without_a_cached_prefix(impl, gen):
     """a prefill with nothing cached has no block tables, and cu_seqlens_q equals cu_seqlens_k"""
-    seqs = random_batch(impl, gen, 4, prefill=False)
-    expect_metadata(impl.prefill_metadata(seqs), prefill_expected(seqs), "prefill")
+    specs = random_batch(gen, 4, prefill=False)
+    metadata_of(impl, "prefill_metadata", specs, prefill_expected(specs), "prefill")
 
 
 @pytest.mark.parametrize("block_size", [1, 4, 5])
 def test_decode_metadata(impl, gen, block_size):
     """decode metadata equals the one computed from each sequence's last position"""
     for _ in range(4):
-        seqs = random_batch(impl, gen, block_size, prefill=False)
-        expect_metadata(impl.decode_metadata(seqs), decode_expected(seqs), "decode")
+        specs = random_batch(gen, block_size, prefill=False)
+        metadata_of(impl, "decode_metadata", specs, decode_expected(specs), "decode")

@@ -39,6 +39,32 @@ def main() -> None:
     for name, times in rows:
         print(f"{name:34} median {statistics.median(times):5.2f} s  (min {min(times):.2f}, max {max(times):.2f})")
     print(f"{'difference':34} median {c - f:5.2f} s  over {args.runs} cold runs each")
+    respawn = fresh_worker_seconds(args.runs * 4)
+    print(f"{'a fresh worker (after a crash)':34} median {statistics.median(respawn) * 1000:5.1f} ms "
+          f"(fork, import the module, first call; {len(respawn)} times)")
+
+
+def fresh_worker_seconds(times: int) -> list[float]:
+    """What replacing a dead worker costs: a fork from the server, importing m01, one call."""
+    import torch
+
+    from checks.harness.guard import Guarded, Runs
+    from checks.harness.loader import named
+
+    runs = Runs(triton=False, cuda=False, quiet=True)
+    runs.start()
+    found = []
+    x, weight = torch.randn(4, 8), torch.ones(8)
+    try:
+        for _ in range(times + 1):
+            run = runs.run(named("solutions"), "m01_rmsnorm", 10.0)
+            start = time.perf_counter()
+            Guarded(run, "m01_rmsnorm", {}, 10.0).rms_norm(x, weight, 1e-6)
+            found.append(time.perf_counter() - start)
+            runs.close_module("m01_rmsnorm")
+    finally:
+        runs.close()
+    return found[1:]  # the first waits for the server to import torch
 
 
 if __name__ == "__main__":

@@ -220,6 +220,8 @@ class ModuleRun:
         if reply[0] == "not-started":
             raise NotStarted(reply[1])
         if reply[0] in ("raised", "load-error"):
+            if reply[-1] == "end":  # the worker ends itself (it left threads running): the next check gets a new one
+                self.session.end()
             raise LearnerError(reply[1])
         return reply
 

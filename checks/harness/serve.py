@@ -23,6 +23,7 @@ import resource
 import signal
 import socket
 import sys
+import threading
 import time
 import types
 import warnings
@@ -248,6 +249,10 @@ class Worker:
         aliased = [t for t in leaves_of(result) if _storage(t) in inputs]
         refused = f"`{name}` returned one of its inputs (or a view of it): return new tensors" if aliased else None
         changed = changed_input(before, names)
+        if threading.active_count() > 1:  # a thread could change the learner's objects after the checks read them
+            self.reply("raised", f"`{name}` left {threading.active_count() - 1} thread(s) running after it returned",
+                       "end")
+            os._exit(0)
         self.reply("returned", result, changed, states, data, dict(zip(writes, written)), refused, involved,
                    codec=codec)  # `involved` again: their attributes as the call left them
 

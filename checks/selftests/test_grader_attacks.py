@@ -145,6 +145,21 @@ def add_rms_norm(*args):
             except OSError:
                 pass
     """)), "not a reply"),
+    "leaves-a-thread-and-a-child-behind": (attack("""
+        import threading
+        MARKER = "{marker}"
+        def later():
+            time.sleep(4)
+            with open(MARKER, "a") as f:
+                f.write("still running after the checks ended\\n")
+        def leave_behind():
+            threading.Thread(target=later, daemon=False).start()
+            if os.fork() == 0:
+                os.setsid()
+                if os.fork() == 0:
+                    later()
+                os._exit(0)
+    """, both("leave_behind()")), "thread(s) running"),
     "forges-a-passing-reply": (attack("""
         import pickle, struct
         def forge():
@@ -185,17 +200,21 @@ def one_line_failures(rows: list[dict], expect: str) -> None:
 @pytest.fixture(scope="module")
 def worker_attacks(tmp_path_factory):
     top = tmp_path_factory.mktemp("attacks")
-    folders = {name: write_attack(top / name, text) for name, (text, _) in IN_THE_WORKER.items()}
+    marker = top / "marker.txt"
+    folders = {name: write_attack(top / name, text.replace("{marker}", str(marker)))
+               for name, (text, _) in IN_THE_WORKER.items()}
     impls = [arg for folder in folders.values() for arg in ("--impl", str(folder))]
     report = top / "results.json"
     started = time.monotonic()
     code, out = check_sh("m01", *impls, "--time-limit", "2", "--json", str(report))
-    return folders, code, out, json.loads(report.read_text()), time.monotonic() - started
+    seconds = time.monotonic() - started
+    time.sleep(5)  # longer than the threads and children an attack leaves behind wait before they write
+    return folders, code, out, json.loads(report.read_text()), seconds, marker
 
 
 @pytest.mark.parametrize("name", IN_THE_WORKER)
 def test_an_attack_from_the_worker_fails(worker_attacks, name):
-    folders, code, out, results, _ = worker_attacks
+    folders, code, out, results, _, _ = worker_attacks
     assert code == 1 and results["passed"] is False
     rows = [r for r in results["results"] if r["impl"].endswith(f"/{name}")]
     one_line_failures(rows, IN_THE_WORKER[name][1])
@@ -203,8 +222,9 @@ def test_an_attack_from_the_worker_fails(worker_attacks, name):
 
 
 def test_the_run_goes_on_and_leaves_nothing_running(worker_attacks):
-    _, _, out, results, seconds = worker_attacks
+    _, _, out, results, seconds, marker = worker_attacks
     assert "Traceback" not in out
+    assert not marker.exists(), marker.read_text()
     assert len({r["impl"] for r in results["results"]}) == len(IN_THE_WORKER)
     stray = subprocess.run(["pgrep", "-f", "kvlab_worker"], capture_output=True, text=True).stdout.split()
     assert not stray, f"worker processes left running: {stray}"
