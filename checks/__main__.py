@@ -132,11 +132,15 @@ def run(selected, args, impls: list[str] | None = None, extra: list[str] = (), r
             seed = getattr(reporter.config, "kvlab_seed", None)
             complete = code in (pytest.ExitCode.OK, pytest.ExitCode.TESTS_FAILED)
             Path(args.json).write_text(json.dumps(to_json(results, seed, complete=complete), indent=1))
+    if code == pytest.ExitCode.NO_TESTS_COLLECTED and args.k:
+        print(f"./check.sh: no check of {', '.join(m.id for m in selected)} matches -k {args.k!r} "
+              "(it matches words of the checks' names, e.g. -k decode)", file=sys.stderr)
+        return 2
     if code not in (pytest.ExitCode.OK, pytest.ExitCode.TESTS_FAILED) or not results:
         print(f"./check.sh: the checks did not run (pytest exit code {int(code)}); rerun with --pytest to see why",
               file=sys.stderr)
         return 3
-    if remember_results and impls == ["mine"]:
+    if remember_results and impls == ["mine"] and not args.k:  # progress is what a whole module run says
         remember(results)
     return 0 if all(r.status in ("passed", "skipped") for r in results) else 1
 
@@ -168,6 +172,15 @@ def remember(results) -> None:
                        "not_started": sum(r.status == "not started" for r in rows)}
     STATE.mkdir(exist_ok=True)
     path.write_text(json.dumps(state, indent=1))
+
+
+def forget(stem: str) -> None:
+    """After a reset, the module's last result no longer describes the file."""
+    path = STATE / "results.json"
+    if path.is_file():
+        state = json.loads(path.read_text())
+        if state.pop(stem, None) is not None:
+            path.write_text(json.dumps(state, indent=1))
 
 
 def status_text(entry: dict | None) -> str:
@@ -214,10 +227,16 @@ def reset(names: list[str], registry) -> int:
             backup.parent.mkdir(parents=True, exist_ok=True)
             shutil.copy2(target, backup)
             print(f"backed up mine/{module.stem}.py to {backup.relative_to(ROOT)}")
+            print(f"  to restore it: cp {backup.relative_to(ROOT)} mine/{module.stem}.py")
         target.write_text(stub_for(ROOT, module.stem), encoding="utf-8")
+        forget(module.stem)
         print(f"mine/{module.stem}.py is the stub again")
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    try:
+        sys.exit(main())
+    except BrokenPipeError:  # `./check.sh list | head`: the reader left, nothing more to say
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        sys.exit(0)

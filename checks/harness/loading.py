@@ -110,12 +110,19 @@ class Package:
     # ---- one-line reasons ----
     def where(self, error: BaseException, stem: str) -> str:
         """` line 57` (in the module's own file) or ` (m01_rmsnorm.py line 12)`: the deepest frame in
-        this folder's files; the deepest frame of all when none is."""
+        this folder's files (kernel lines too: the innermost error of the chain is read first); the
+        deepest frame of all when none is."""
         frames = traceback.extract_tb(error.__traceback__)
-        for frame in reversed(frames):
-            shown = self.shown_file(frame.filename)
-            if shown is not None:
-                return f" line {frame.lineno}" if shown == self.shown_path(stem) else f" ({shown} line {frame.lineno})"
+        causes, seen = [], error  # innermost first: Triton wraps an error in a kernel's line as the cause
+        while seen is not None and len(causes) < 8:
+            causes.insert(0, seen)
+            seen = seen.__cause__ or seen.__context__
+        for cause in causes:
+            for frame in reversed(traceback.extract_tb(cause.__traceback__)):
+                shown = self.shown_file(frame.filename)
+                if shown is not None:
+                    line = frame.lineno
+                    return f" line {line}" if shown == self.shown_path(stem) else f" ({shown} line {line})"
         return f" ({frames[-1].filename.rsplit('/', 1)[-1]} line {frames[-1].lineno})" if frames else ""
 
     def describe(self, error: BaseException, stem: str) -> str:

@@ -135,6 +135,8 @@ def render(results: list[Result], seed: int, seconds: float, file=None) -> None:
     from rich.markup import escape
     from rich.padding import Padding
 
+    if not results:
+        return
     out = file or sys.stdout
     console = Console(file=out, highlight=False, width=None if out.isatty() else 110)
 
@@ -152,6 +154,10 @@ def render(results: list[Result], seed: int, seconds: float, file=None) -> None:
         console.print(f"[bold]KV Lab · {name} · {escape(module.title if module else stem)}[/]")
         console.print(f"[dim]checking {escape(path)} · seed {seed} · verified on {rows[0].verified_on}[/]")
         console.print()
+        shared = shared_reason(rows)
+        if shared:  # the file does not import: one reason for every check, said once
+            console.print(f" {ICONS['failed']}  [bold]{escape(shared)}[/]")
+            console.print(f"      [dim]so none of the {len(rows)} checks can run; fix that line and check again[/]")
         by_check: dict[str, list[Result]] = {}
         for r in rows:
             by_check.setdefault(r.check, []).append(r)
@@ -162,7 +168,7 @@ def render(results: list[Result], seed: int, seconds: float, file=None) -> None:
             if len(cases) > 1 and not bad:
                 count = f"  [dim]{len(cases)} cases[/]"
             console.print(f" {ICONS[status]}  {escape(check)}{count}")
-            if status == "passed":
+            if status == "passed" or shared:
                 continue
             if status == "not started":  # say so when the stub that stops it is another module's
                 for reason in sorted({c.reason for c in bad if " reaches " in c.reason}):
@@ -174,7 +180,7 @@ def render(results: list[Result], seed: int, seconds: float, file=None) -> None:
                 named = f" [yellow]→ looks like {', '.join(c.mistakes)}[/]" if c.mistakes else ""
                 indented(f"{case}{escape(c.reason)}{seed_note}{named}")
             if len(bad) > SHOWN_CASES:
-                indented(f"[dim]… and {len(bad) - SHOWN_CASES} more[/]")
+                indented(f"[dim]… and {len(bad) - SHOWN_CASES} more (--json FILE lists every case)[/]")
         matched: dict[str, int] = {}
         for r in rows:
             for mistake_id in r.mistakes:
@@ -184,19 +190,33 @@ def render(results: list[Result], seed: int, seconds: float, file=None) -> None:
             console.print("[bold yellow]Your output matches a known mistake:[/]")
             for mistake_id, n in sorted(matched.items(), key=lambda kv: -kv[1]):
                 mistake = catalogue(stem).mistake(mistake_id)
-                indented(f"[bold]{mistake_id}[/] — {escape(mistake.title)} [dim]({n} checks)[/]", 2)
+                indented(f"[bold]{mistake_id}[/] — {escape(mistake.title)} [dim]({plural(n, 'check')})[/]", 2)
                 indented(escape(mistake.hint), 4)
             indented(f"[dim]More in exercises/{stem}.md › Pitfalls and Hints L2.[/]", 2)
         counts = {s: sum(r.status == s for r in rows) for s in WORST_FIRST}
         summary = " · ".join(f"{n} {s}" for s, n in counts.items() if n)
         console.print()
-        console.print(f"[bold]{name}: {summary}[/] [dim]({len(rows)} checks)[/]")
+        console.print(f"[bold]{name}: {summary}[/] [dim]({plural(len(rows), 'check')})[/]")
         if counts["not started"] == len(rows):
             console.print(f"Nothing written yet: open {escape(path)}, read the docstring, and fill in the body. "
                           f"The exercise page is exercises/{stem}.md.")
         elif counts["passed"] == len(rows):
             console.print("[green]All checks pass.[/]")
     console.print(f"[dim]{seconds:.1f} s · replay this run exactly: add --seed {seed}[/]")
+
+
+def plural(n: int, noun: str) -> str:
+    return f"{n} {noun}" + ("" if n == 1 else "s")
+
+
+def shared_reason(rows: list[Result]) -> str | None:
+    """The reason every row failed with, when it is the file failing to import (the same for all)."""
+    reasons = {r.reason for r in rows}
+    if len(reasons) == 1 and all(r.status == "failed" for r in rows):
+        reason = next(iter(reasons))
+        if "importing it" in reason or "SyntaxError" in reason or "does not exist" in reason:
+            return reason
+    return None
 
 
 def to_json(results: list[Result], seed: int | None, complete: bool = True) -> dict:

@@ -76,3 +76,37 @@ def test_progress_is_remembered_for_list(kit_copy):
     check_sh("m01", kit=kit_copy)
     code, out = check_sh("list", kit=kit_copy)
     assert code == 0 and "not started" in out
+
+
+def test_a_filter_that_matches_nothing_says_so():
+    code, out = check_sh("m01", "-k", "nonsense")
+    assert code == 2 and "no check of m01 matches -k 'nonsense'" in out and "exit code" not in out
+
+
+def test_list_into_a_closed_pipe_is_quiet():
+    done = subprocess.run(f"{ROOT / 'check.sh'} list | head -1", shell=True, capture_output=True, text=True,
+                          env={**os.environ, "KVLAB_PYTHON": sys.executable})
+    assert "Traceback" not in done.stderr and "BrokenPipe" not in done.stderr
+
+
+def test_a_file_that_does_not_import_is_reported_once(tmp_path):
+    student = tmp_path / "student"
+    shutil.copytree(ROOT / "solutions", student)
+    source = (student / "m01_rmsnorm.py").read_text()
+    (student / "m01_rmsnorm.py").write_text(source.replace("keepdim=True)", "keepdim=True", 1))
+    code, out = check_sh("m01", "--impl", str(student))
+    assert code == 1
+    assert out.count("SyntaxError") == 1 and "none of the 22 checks can run" in out
+
+
+def test_only_whole_runs_count_as_progress_and_reset_forgets_it(kit_copy):
+    (kit_copy / "mine" / "m01_rmsnorm.py").write_text((ROOT / "solutions" / "m01_rmsnorm.py").read_text())
+    state = kit_copy / ".kvlab" / "results.json"
+    before = state.read_text() if state.exists() else None
+    check_sh("m01", "-k", "toy", kit=kit_copy)
+    assert (state.read_text() if state.exists() else None) == before  # a filtered run is not the module's status
+    check_sh("m01", kit=kit_copy)
+    assert "done (22/22 passed)" in check_sh("list", kit=kit_copy)[1]
+    code, out = check_sh("reset", "m01", kit=kit_copy)
+    assert code == 0 and "to restore it: cp .kvlab/backups/m01_rmsnorm." in out
+    assert "done (22/22" not in check_sh("list", kit=kit_copy)[1]
