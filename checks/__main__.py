@@ -46,6 +46,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--junit", metavar="FILE", help="with grade: write JUnit XML to FILE")
     parser.add_argument("--no-sandbox", action="store_true",
                         help="with grade: run the submission without bubblewrap (every output says so)")
+    parser.add_argument("--hint", type=int, nargs="?", const=1, choices=(1, 2, 3), metavar="N",
+                        help="print the module's hints of level N (1: a nudge, 2: the pitfalls, 3: nearly the code)")
+    parser.add_argument("--lang", choices=("en", "zh"), default="en", help="with --hint: English or Chinese")
     parser.add_argument("--pytest", action="store_true", help="show pytest's own output as well (for kit developers)")
     parser.add_argument("--out", metavar="DIR", help="with book: the folder to write the book to (default .kvlab/book)")
     args = parser.parse_args(argv)
@@ -80,7 +83,30 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"./check.sh: no module {name!r} (known: {known}, all, list, book, reset)", file=sys.stderr)
                 return 2
             selected.append(module)
+    if args.hint:
+        return print_hints(selected, args.hint, args.lang)
     return run(selected, args)
+
+
+def print_hints(selected, level: int, lang: str) -> int:
+    """The page's `Hints L<level>` section in the terminal (and where the rest of the page is)."""
+    from rich.console import Console
+    from rich.markdown import Markdown
+
+    from book.pages import load
+
+    console = Console(highlight=False, width=None if sys.stdout.isatty() else 110)
+    for module in selected:
+        page = load(ROOT, module.stem, lang) or load(ROOT, module.stem, "en")
+        text = page.sections.get(f"Hints L{level}") if page else None
+        if not text:
+            print(f"./check.sh: {module.id} has no Hints L{level}", file=sys.stderr)
+            return 2
+        console.print(f"[bold]{module.id} · {module.title} · Hints L{level}[/]")
+        console.print(Markdown(text))
+        more = f"./check.sh {module.id} --hint {level + 1}" if level < 3 else "the Follow-ups on the page"
+        console.print(f"[dim]The whole page: {page.path.relative_to(ROOT)} (or ./check.sh book). Next: {more}.[/]")
+    return 0
 
 
 def run(selected, args, impls: list[str] | None = None, extra: list[str] = (), remember_results: bool = True,

@@ -110,3 +110,10 @@ def test_only_whole_runs_count_as_progress_and_reset_forgets_it(kit_copy):
     code, out = check_sh("reset", "m01", kit=kit_copy)
     assert code == 0 and "to restore it: cp .kvlab/backups/m01_rmsnorm." in out
     assert "done (22/22" not in check_sh("list", kit=kit_copy)[1]
+
+
+def test_hints_in_the_terminal():
+    code, out = check_sh("m01", "--hint", "2")
+    assert code == 0 and "Hints L2" in out and "--hint 3" in out
+    code, out = check_sh("m02", "--hint", "1", "--lang", "zh")
+    assert code == 0 and "Hints L1" in out
