@@ -8,8 +8,6 @@ Triton kernel runs compiled on a GPU, or in Triton's interpreter on the CPU with
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves
 
 from checks.harness.attention_oracles import flash_attn_or_skip, naive_attention, naive_varlen, sdpa_attention
 from checks.harness.compare import Mismatch, expect_close, tolerance
@@ -181,27 +179,11 @@ def test_tiled_scores_far_from_zero(impl, gen):
     expect_close(lse, expected_lse, tol, "lse")
 
 
-class LargestTensor(TorchDispatchMode):
-    """Records the size in bytes of the largest tensor any torch operation returns while active (bytes:
-    the guard's own copies of the inputs are byte buffers)."""
-
-    def __init__(self):
-        super().__init__()
-        self.largest = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        result = func(*args, **(kwargs or {}))
-        for t in tree_leaves(result):
-            if isinstance(t, torch.Tensor):
-                self.largest = max(self.largest, t.numel() * t.element_size())
-        return result
-
-
 def test_tiled_never_builds_the_score_matrix(impl, gen):
     """tiles of 16 x 16 over 32 queries and 256 keys: no tensor is half the size of the [H, Tq, Tk] scores"""
     H, KVH, D, Tq, Tk = 2, 1, 16, 32, 256
     q, k, v = fp32(Tq, H, D, gen=gen), fp32(Tk, KVH, D, gen=gen), fp32(Tk, KVH, D, gen=gen)
-    with LargestTensor() as watch:
+    with impl.watch_tensors() as watch:  # measured in the worker, where the learner's code runs
         out, lse = impl.tiled_attention(q, k, v, 16, 16, causal=False)
     expect_close(out, naive_attention(q, k, v, causal=False)[0], tolerance("flash", torch.float32), "output")
     full = H * Tq * Tk * 4  # bytes of the fp32 score matrix

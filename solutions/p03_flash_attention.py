@@ -71,7 +71,7 @@ def online_softmax(scores, values, block_size):
 
     Returns:
         `[Dv]` in the dtype of `scores`. Never materialises more than one block of `exp(scores)`, and
-        stays finite for scores of any magnitude (all near -1000, or all near +1000).
+        stays finite for scores of any magnitude (all near -300, or all near +300: exp overflows in fp32).
     """
     m = torch.full((), float("-inf"), dtype=scores.dtype, device=scores.device)
     sum_exp = torch.zeros((), dtype=scores.dtype, device=scores.device)
@@ -96,8 +96,8 @@ def tiled_attention(q, k, v, block_q, block_k, softmax_scale=None, causal=True):
     Returns:
         `(out [Tq, H, D] in q.dtype, lse [H, Tq] float32)`, computed in float32: out is the softmax-
         weighted sum of the visible values and lse the natural log-sum-exp of the scaled scores. A query
-        that sees no key gets out = 0 and lse = -inf. No tensor as large as the `[H, Tq, Tk]` score
-        matrix is ever created.
+        that sees no key gets out = 0 and lse = -inf. No tensor half the size of the `[H, Tq, Tk]` score
+        matrix (or larger) is ever created.
 
     The inputs are not modified.
     """

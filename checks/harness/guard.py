@@ -275,6 +275,7 @@ class Guarded:
         self.path = self.impl.shown_path(stem)
         self.events: list[Call | New] = []
         self.made: set[int] = set()
+        self.watch: TensorWatch | None = None
         run.guarded = self
 
     def __getattr__(self, name: str):
@@ -289,6 +290,11 @@ class Guarded:
         if isinstance(value, Remote) and value._kind == "function":
             return lambda *args, **kwargs: self.call(name, value, args, kwargs)
         return value
+
+    def watch_tensors(self) -> "TensorWatch":
+        """`with impl.watch_tensors() as watch:` the calls inside report the largest tensor (in bytes) any
+        torch operation made while they ran, in the worker: `watch.largest`."""
+        return TensorWatch(self)
 
     def start_over(self) -> None:
         """Forget the calls recorded so far: a property test's examples are independent, and only the
@@ -307,19 +313,22 @@ class Guarded:
         write_keys = [key for key, value in arguments if writes.includes(value)]
         recorded_args = tuple(snapshot(a) for a in args)
         recorded_kwargs = {k: snapshot(v) for k, v in kwargs.items()}
+        watch = self.watch is not None
         if isinstance(target, tuple):  # (object, method name): one request, not a read then a call
-            message = ("method", target[0], target[1], name, args, kwargs, write_keys)
+            message = ("method", target[0], target[1], name, args, kwargs, write_keys, watch)
         else:
-            message = ("call", target, name, args, kwargs, write_keys)
+            message = ("call", target, name, args, kwargs, write_keys, watch)
         try:
             reply = self.run.exchange(message, f"`{name}`")
         except LearnerError as error:
             if "did not return within" in str(error):
                 _hung.add((self.impl.label, name))
             raise
-        if reply[0] != "returned" or len(reply) != 8:
+        if reply[0] != "returned" or len(reply) != 9:
             raise LearnerError(f"`{name}`: the worker sent an unexpected reply")
-        _, result, changed, states, data, written, refused, _ = reply
+        _, result, changed, states, data, written, refused, _, largest = reply
+        if watch:
+            self.watch.largest = max(self.watch.largest, largest if type(largest) is int else 0)
         if making:
             if not isinstance(result, Remote):
                 raise LearnerError(f"`{name}(...)` did not make an object")
@@ -344,6 +353,18 @@ class Guarded:
             if problem:
                 raise LearnerError(f"`{name}` {problem}", identifiable=True)
         return result
+
+
+class TensorWatch:
+    def __init__(self, guarded: Guarded):
+        self.guarded, self.largest = guarded, 0
+
+    def __enter__(self) -> "TensorWatch":
+        self.guarded.watch = self
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.guarded.watch = None
 
 
 def snapshot(value):

@@ -214,21 +214,27 @@ class Worker:
     def do_len(self, obj) -> None:
         self.run(lambda: len(obj), "len()")
 
-    def do_method(self, obj, method: str, name: str, args: tuple, kwargs: dict, writes: list) -> None:
+    def do_method(self, obj, method: str, name: str, args: tuple, kwargs: dict, writes: list,
+                  watch: bool = False) -> None:
         try:
             fn = getattr(obj, method)
         except BaseException as error:  # noqa: BLE001
             self.reply("raised", f"`{name}` cannot be read: {self.package.describe(error, self.stem)}")
             return
-        self.do_call(fn, name, args, kwargs, writes)
+        self.do_call(fn, name, args, kwargs, writes, watch)
 
-    def do_call(self, fn, name: str, args: tuple, kwargs: dict, writes: list) -> None:
+    def do_call(self, fn, name: str, args: tuple, kwargs: dict, writes: list, watch: bool = False) -> None:
         written = [args[key] if isinstance(key, int) else kwargs[key] for key in writes]
         names = argument_names(fn, args, kwargs)
         before = {arg: leaves(value) for arg, value in names.items() if not any(value is w for w in written)}
         inputs = {_storage(t) for value in names.values() for t in leaves_of(value)}
+        largest = LargestTensor() if watch else None
         try:
-            result = fn(*args, **kwargs)
+            if largest is None:
+                result = fn(*args, **kwargs)
+            else:
+                with largest:
+                    result = fn(*args, **kwargs)
         except NotImplementedError as error:
             self.reply("not-started", self.package.not_started(error, self.stem, name))
             return
@@ -254,7 +260,7 @@ class Worker:
                        "end")
             os._exit(0)
         self.reply("returned", result, changed, states, data, dict(zip(writes, written)), refused, involved,
-                   codec=codec)  # `involved` again: their attributes as the call left them
+                   largest and largest.largest, codec=codec)  # `involved` again: their attributes as now
 
     def run(self, action, what: str, owner=None) -> None:
         try:
@@ -266,6 +272,27 @@ class Worker:
             self.reply("raised", f"{what} raised {self.package.describe(error, self.stem)}")
             return
         self.reply("value", value, owner)  # the owner again: its attributes as they are now
+
+
+def LargestTensor():
+    """A dispatch mode that keeps the size in bytes of the largest tensor any torch operation returns
+    while it is active (a check that a function never builds a whole score matrix)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils._pytree import tree_leaves
+
+    class Largest(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.largest = 0
+
+        def __torch_dispatch__(self, func, types_, args=(), kwargs=None):
+            result = func(*args, **(kwargs or {}))
+            for t in tree_leaves(result):
+                if isinstance(t, torch.Tensor):
+                    self.largest = max(self.largest, t.numel() * t.element_size())
+            return result
+
+    return Largest()
 
 
 def leaves_of(value) -> list[torch.Tensor]:

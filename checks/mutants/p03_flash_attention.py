@@ -98,5 +98,12 @@ BROKEN = [
     Broken("nan", replace("o_tile = acc / tl.where(", "o_tile = float('nan') * acc / tl.where("), "NaN"),
     Broken("arange-not-power-of-two", replace("offs_n = tl.arange(0, BLOCK_N)", "offs_n = tl.arange(0, BLOCK_N - 1)"),
            "power of 2"),
+    # the whole [H, Tq, Tk] score matrix made (and thrown away): the check that watches tensor sizes, which
+    # runs in the worker with the learner's code, must see it
+    Broken("builds-the-score-matrix",
+           replace("    diagonal = Tk - Tq  # bottom-right alignment",
+                   "    torch.einsum('qhd,khd->hqk', q.float(), k.float().repeat_interleave(H // KVH, dim=1))\n"
+                   "    diagonal = Tk - Tq  # bottom-right alignment"),
+           "the whole [H, Tq, Tk] fp32 score matrix"),
     Broken("import-error", replace("import torch\n", "import torch\nimport kvlab_no_such_module\n"), "ModuleNotFoundError"),
 ]

@@ -164,7 +164,7 @@ def add_rms_norm(*args):
         import pickle, struct
         def forge():
             message = pickle.dumps((("T", ["returned", ("X", 0, "float32", [1], [1], 0, "cpu"), None,
-                                             ("D", []), ("D", []), ("D", []), None, ("L", [])]), [b"\\0\\0\\0\\0"]))
+                                             ("D", []), ("D", []), ("D", []), None, ("L", []), 0]), [b"\\0\\0\\0\\0"]))
             for fd in range(3, 64):
                 try:
                     os.write(fd, struct.pack("<Q", len(message)) + message)
