@@ -21,6 +21,9 @@ from pathlib import Path
 sys.dont_write_bytecode = True  # sibling imports in a checked folder must not leave __pycache__ there
 
 
+KIT_PACKAGES = ("mine", "solutions", "checks", "book")  # folders of the kit, never on a worker's import path
+
+
 class LoadError(Exception):
     """The implementation file is missing or cannot be imported; the message is the report's reason."""
 
@@ -96,8 +99,12 @@ class Package:
             exec(code, module.__dict__)
         except BaseException as error:  # noqa: BLE001 - any import-time failure is the learner's to see
             sys.modules.pop(name, None)
+            advice = ""
+            if isinstance(error, ModuleNotFoundError) and (error.name or "").split(".")[0] in KIT_PACKAGES:
+                advice = " (the kit is not importable from your code: import a sibling file relatively, " \
+                         "e.g. `from .m01_rmsnorm import rms_norm`)"
             raise LoadError(f"{self.shown_path(stem)}{self.where(error, stem)}: importing it raised "
-                            f"{type(error).__name__}: {first_line(error)}") from None
+                            f"{type(error).__name__}: {first_line(error)}{advice}") from None
         return module
 
     def _make_package(self) -> types.ModuleType:

@@ -157,7 +157,8 @@ def render(results: list[Result], seed: int, seconds: float, file=None) -> None:
         shared = shared_reason(rows)
         if shared:  # the file does not import: one reason for every check, said once
             console.print(f" {ICONS['failed']}  [bold]{escape(shared)}[/]")
-            console.print(f"      [dim]so none of the {len(rows)} checks can run; fix that line and check again[/]")
+            runnable = sum(r.status != "skipped" for r in rows)
+            console.print(f"      [dim]so none of the {runnable} checks can run; fix that line and check again[/]")
         by_check: dict[str, list[Result]] = {}
         for r in rows:
             by_check.setdefault(r.check, []).append(r)
@@ -211,6 +212,7 @@ def plural(n: int, noun: str) -> str:
 
 def shared_reason(rows: list[Result]) -> str | None:
     """The reason every row failed with, when it is the file failing to import (the same for all)."""
+    rows = [r for r in rows if r.status != "skipped"]  # an absent optional oracle skips whatever the file
     reasons = {r.reason for r in rows}
     if len(reasons) == 1 and all(r.status == "failed" for r in rows):
         reason = next(iter(reasons))
