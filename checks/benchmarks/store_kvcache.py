@@ -44,7 +44,7 @@ def main() -> int:
 
     from checks.harness.loader import named
 
-    module = named(args.impl).load("p02_store_kvcache")
+    module = named(args.impl).load_to_time("p02_store_kvcache")
     device = torch.device("cuda")
     print(f"store_kvcache ({args.impl}) on {torch.cuda.get_device_name()}: bf16, KVH*D = {KVH * D}, K/V sliced "
           f"from a fused qkv, block size {BLOCK_SIZE}; torch {torch.__version__}, Triton {triton.__version__}")
