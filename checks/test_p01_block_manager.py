@@ -374,7 +374,7 @@ def play_toy(impl, scenario: dict) -> None:
 # ---- the toy --------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("scenario", TOY["scenarios"], ids=lambda s: s["name"].replace(" ", "-"))
+@pytest.mark.parametrize("scenario", TOY["scenarios"], ids=lambda s: s["name"])
 def test_toy_scenario(impl, scenario):
     """the page's toy scenarios: block tables, cached tokens, free list, ref counts and cache after each step"""
     play_toy(impl, scenario)
@@ -412,7 +412,7 @@ def test_slot_of(impl, gen):
                                f"expected {expected}")
 
 
-@pytest.mark.parametrize("block_size", [1, 3, 4])
+@pytest.mark.parametrize("block_size", [1, 3, 4], ids=lambda b: f"blocks of {b}")
 def test_blocks_at_every_length(impl, block_size):
     """prompts of every length get ceil(len / block_size) blocks; a token opens a block exactly when the last is full"""
     player = Player(impl, 3 * block_size + 8, block_size)
@@ -656,7 +656,7 @@ def expect_metadata(result, expected: dict, what: str) -> None:
             raise Mismatch(f"{what} {name}: {got.tolist()}, expected {value}")
 
 
-@pytest.mark.parametrize("block_size", [1, 4, 5])
+@pytest.mark.parametrize("block_size", [1, 4, 5], ids=lambda b: f"blocks of {b}")
 def test_prefill_metadata(impl, gen, block_size):
     """prefill metadata equals the one computed token by token (positions from the cached prefix on)"""
     for _ in range(4):
@@ -670,7 +670,7 @@ def test_prefill_metadata_without_a_cached_prefix(impl, gen):
     metadata_of(impl, "prefill_metadata", specs, prefill_expected(specs), "prefill")
 
 
-@pytest.mark.parametrize("block_size", [1, 4, 5])
+@pytest.mark.parametrize("block_size", [1, 4, 5], ids=lambda b: f"blocks of {b}")
 def test_decode_metadata(impl, gen, block_size):
     """decode metadata equals the one computed from each sequence's last position"""
     for _ in range(4):

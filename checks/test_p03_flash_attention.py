@@ -87,7 +87,7 @@ def test_toy_steps(impl):
             expect_close(got, torch.tensor(step[name]), tol, f"after block {n} ({step['block']}): {name}")
 
 
-@pytest.mark.parametrize("block_size", [1, 2, 4])
+@pytest.mark.parametrize("block_size", [1, 2, 4], ids=lambda b: f"blocks of {b}")
 def test_toy_output(impl, block_size):
     """the seed's row: any block size gives the one-shot softmax output 36.8806"""
     scores, values = toy_row()
@@ -99,7 +99,7 @@ def softmax_oracle(scores, values):
     return torch.softmax(scores.double(), dim=-1) @ values.double()
 
 
-@pytest.mark.parametrize("block_size", [1, 3, 8])
+@pytest.mark.parametrize("block_size", [1, 3, 8], ids=lambda b: f"blocks of {b}")
 def test_online_softmax_matches_softmax(impl, gen, block_size):
     """one random row in blocks (the last one partial) gives softmax(scores) @ values"""
     S = int(torch.randint(9, 40, (), generator=gen))
