@@ -8,6 +8,7 @@ folder); when the logits differ, the report names the first layer and sub-step t
 An optional check runs real Qwen3 weights from a local folder named by KVLAB_QWEN3_DIR.
 """
 
+import dataclasses
 import os
 from dataclasses import dataclass
 from functools import cache
@@ -37,7 +38,7 @@ pytestmark = pytest.mark.m04
 TOLERANCE_KIND = "model"
 CPU = torch.device("cpu")
 # What `./check.sh grade` awards: a check's points, shared out over its cases (a module is worth the sum,
-# 36). An optional oracle's check (absent on most machines) is worth nothing.
+# 39). An optional oracle's check (absent on most machines) is worth nothing.
 POINTS = {
     "test_toy_mlp": 1,
     "test_toy_logits": 2,
@@ -50,6 +51,7 @@ POINTS = {
     "test_greedy_matches_hf_generate": 4,
     "test_greedy_with_chunked_prefill": 4,
     "test_load_state_dict_maps_hf_names": 3,
+    "test_load_state_dict_keeps_bf16_and_reads_both_config_layouts": 3,
     "test_loaded_model_matches_hf": 3,
     "test_real_weights_match_hf": 0,
 }
@@ -325,6 +327,33 @@ def test_load_state_dict_maps_hf_names(impl, seed):
     for path, number in numbers.items():
         if read(loaded, path) != number:
             raise Mismatch(f"`{path}` is {read(loaded, path)!r}, expected {number!r}")
+
+
+CONFIG_LAYOUTS = ["rope_parameters", "top-level rope_theta"]  # transformers 5 writes the first; checkpoints the second
+
+
+@pytest.mark.parametrize("layout", CONFIG_LAYOUTS)
+def test_load_state_dict_keeps_bf16_and_reads_both_config_layouts(impl, seed, layout):
+    """a bf16 state_dict loads as bf16, unchanged, with rope_theta read from either config layout"""
+    w = random_weights(torch.Generator().manual_seed(seed), "L2-H4-KVH2-D16").to(torch.bfloat16)
+    w = dataclasses.replace(w, rope_theta=5_000_000.0)  # neither HF's default nor Qwen3's: it must be read
+    config = hf_model_config(w).to_dict()
+    if layout == "top-level rope_theta":  # as Qwen3's published config.json has it
+        config["rope_theta"] = config.pop("rope_parameters")["rope_theta"]
+    else:
+        config.pop("rope_theta", None)
+    state = hf_state_dict(w)
+    loaded = impl.load_state_dict(state, config)
+    if read(loaded, "rope_theta") != w.rope_theta:
+        raise Mismatch(f"`rope_theta` is {read(loaded, 'rope_theta')!r}, expected {w.rope_theta!r} "
+                       f"(config with {layout})")
+    for hf_name, tensor in state.items():
+        got = read(loaded, attribute_path(hf_name))
+        if not isinstance(got, torch.Tensor) or got.dtype != torch.bfloat16:
+            kind = got.dtype if isinstance(got, torch.Tensor) else type(got).__name__
+            raise Mismatch(f"`{attribute_path(hf_name)}` is {kind}, expected HF's bf16 tensor unchanged")
+        if not torch.equal(got, tensor):
+            raise Mismatch(f"`{attribute_path(hf_name)}` is not HF's {hf_name}")
 
 
 def test_loaded_model_matches_hf(impl, seed):

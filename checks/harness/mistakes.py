@@ -200,6 +200,9 @@ def _replays_alike(events: list, module, tolerance_kind: str, time_limit: float)
     return True
 
 
+_MISSING = object()
+
+
 def _fresh(value, made: dict):
     if isinstance(value, torch.Tensor):
         return copy_with_layout(value)
@@ -211,10 +214,13 @@ def _fresh(value, made: dict):
 
 
 def _alike(a, b, tolerance_kind: str) -> bool:
-    if isinstance(b, tuple):
-        return isinstance(a, tuple) and len(a) == len(b) and all(
+    if isinstance(b, (tuple, list)):
+        return isinstance(a, (tuple, list)) and len(a) == len(b) and all(
             _alike(x, y, tolerance_kind) for x, y in zip(a, b)
         )
+    if isinstance(b, Remote):  # an object the learner's call returned: alike when its attributes are
+        shown = {k: v for k, v in b._attributes.items() if k != "__len__"}
+        return bool(shown) and all(_alike(getattr(a, k, _MISSING), v, tolerance_kind) for k, v in shown.items())
     if not isinstance(a, torch.Tensor) or not isinstance(b, torch.Tensor):
         return type(a) is type(b) and a == b  # 1 is not True: a wrong type is not a match
     if a.shape != b.shape or a.dtype != b.dtype:

@@ -58,6 +58,22 @@ MISTAKES = [
         "Pass model.rope_theta (1,000,000 for Qwen3) to inverse_frequencies; 10,000 is only HF's config default.",
         replace("inverse_frequencies(model.head_dim, model.rope_theta)", "inverse_frequencies(model.head_dim, 10_000.0)"),
     ),
+    Mistake(
+        "theta-top-level-only",
+        "the loader reads rope_theta from the top level only, falling back to 10,000",
+        "transformers 5 writes the base inside config['rope_parameters']; published Qwen3 checkpoints have it "
+        "at the top level: read either, never a default.",
+        replace('theta = config.get("rope_theta") or config["rope_parameters"]["rope_theta"]',
+                'theta = config.get("rope_theta", 10_000.0)'),
+    ),
+    Mistake(
+        "loader-casts-to-fp32",
+        "the loader converts the tensors to float32 instead of keeping them",
+        "load_state_dict keeps the state_dict's tensors as they are (a bf16 checkpoint stays bf16); only "
+        "load_pretrained converts, to its dtype argument.",
+        replace('tensors = {name: state_dict[f"{prefix}self_attn.{name}.weight"] for name in _ATTENTION}',
+                'tensors = {name: state_dict[f"{prefix}self_attn.{name}.weight"].float() for name in _ATTENTION}'),
+    ),
 ]
 
 VARIANTS = [
