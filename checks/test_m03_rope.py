@@ -32,7 +32,7 @@ def _tables(positions: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dtype)
 
 
 # What `./check.sh grade` awards: a check's points, shared out over its cases (a module is worth the sum,
-# 24). An optional oracle's check (absent on most machines) is worth nothing.
+# 26). An optional oracle's check (absent on most machines) is worth nothing.
 POINTS = {
     "test_toy_inverse_frequencies": 1,
     "test_toy_tables": 1,
@@ -45,6 +45,7 @@ POINTS = {
     "test_cached_rotary_matches_hf": 2,
     "test_chunks_rotate_like_one_call": 2,
     "test_mrope_matches_hf": 4,
+    "test_mrope_unequal_sections_and_far_positions": 2,
     "test_mrope_of_text_is_plain_rope": 2,
 }
 CONTRACTS = {
@@ -260,6 +261,28 @@ def test_mrope_matches_hf(impl, gen, sections, dtype):
     tol = tolerance("rope", dtype)
     expect_close(cos, expected_cos, tol, f"cos ({position_ids.shape[1]} tokens, mrope_section {list(section)})")
     expect_close(sin, expected_sin, tol, f"sin ({position_ids.shape[1]} tokens, mrope_section {list(section)})")
+
+
+# Unequal h and w sections, and positions far apart: a long text before an image (t = h = w = 900 on),
+# then three video frames 40 apart in time, each a 2 x 3 grid.
+UNEQUAL_SECTIONS = {"D32-6-6-4": (32, (6, 6, 4)), "D32-4-3-9": (32, (4, 3, 9))}
+FAR_APART = torch.tensor([
+    [0, 1, 2] + [900] * 6 + [940] * 6 + [980] * 6 + [990],
+    [0, 1, 2] + [900, 900, 900, 901, 901, 901] * 3 + [990],
+    [0, 1, 2] + [900, 901, 902, 900, 901, 902] * 3 + [990],
+])  # [3, T]: rows t, h, w
+
+
+@pytest.mark.parametrize("sections", UNEQUAL_SECTIONS)
+def test_mrope_unequal_sections_and_far_positions(impl, sections):
+    """M-RoPE with h and w sections of different sizes, video frames and an image after long text match HF"""
+    head_dim, section = UNEQUAL_SECTIONS[sections]
+    inv_freq = hf_inverse_frequencies(head_dim)
+    cos, sin = impl.mrope_cos_sin(FAR_APART.clone(), inv_freq, list(section), torch.float32)
+    expected_cos, expected_sin = hf_mrope_tables(head_dim, section, FAR_APART, torch.float32)
+    tol = tolerance("rope", torch.float32)
+    expect_close(cos, expected_cos, tol, f"cos (mrope_section {list(section)}, positions up to 990)")
+    expect_close(sin, expected_sin, tol, f"sin (mrope_section {list(section)}, positions up to 990)")
 
 
 @pytest.mark.parametrize("where", WHERE)

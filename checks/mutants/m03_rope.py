@@ -71,6 +71,14 @@ MISTAKES = [
         ),
     ),
     Mistake(
+        "w-limit-from-h",
+        "the w slots limited by mrope_section[1] (h's count) instead of mrope_section[2]",
+        "Each row has its own count: slots 1, 4, 7, ... read h while slot < 3 * mrope_section[1], and slots 2, 5, "
+        "8, ... read w while slot < 3 * mrope_section[2]; [24, 20, 20] hides a mix-up, unequal counts do not.",
+        replace("        axis[(slot % 3 == row) & (slot < 3 * mrope_section[row])] = row\n",
+                "        axis[(slot % 3 == row) & (slot < 3 * mrope_section[1])] = row\n"),
+    ),
+    Mistake(
         "mrope-sections-misassigned",
         "M-RoPE slots given to t, h, w in contiguous blocks instead of interleaved with stride 3",
         "Qwen3-Omni interleaves: slots 1, 4, 7, ... read h and 2, 5, 8, ... read w (mrope_section[1], [2] "
