@@ -38,7 +38,7 @@ pytestmark = pytest.mark.m04
 TOLERANCE_KIND = "model"
 CPU = torch.device("cpu")
 # What `./check.sh grade` awards: a check's points, shared out over its cases (a module is worth the sum,
-# 39). An optional oracle's check (absent on most machines) is worth nothing.
+# 41). An optional oracle's check (absent on most machines) is worth nothing.
 POINTS = {
     "test_toy_mlp": 1,
     "test_toy_logits": 2,
@@ -46,6 +46,7 @@ POINTS = {
     "test_mlp_matches_hf": 2,
     "test_decoder_layer_matches_hf": 4,
     "test_logits_match_hf": 6,
+    "test_trace_reports_every_layer_and_step": 2,
     "test_last_position_logits": 2,
     "test_chunked_calls_match_hf": 4,
     "test_greedy_matches_hf_generate": 4,
@@ -237,6 +238,20 @@ def test_logits_match_hf(impl, seed, gen, layout, dtype):
     logits = impl.model_forward(case.w.clone(), case.prompt.clone(), all_logits=True, trace=recorder)
     expect_model_close(logits, case.logits, dtype, f"logits ({P} tokens, one prefill)",
                   lambda: first_difference(recorder, case))
+
+
+def test_trace_reports_every_layer_and_step(impl, seed):
+    """the trace of a passing model: every layer's four sub-steps, in order, each equal to HF's"""
+    case = hf_case(seed, "L3-H6-KVH2-D8", torch.float32, 6)
+    recorder = StepRecorder()
+    impl.model_forward(case.w.clone(), case.prompt.clone(), all_logits=True, trace=recorder)
+    expected = [(layer, step) for layer in range(len(case.w.layers)) for step in SUB_STEPS]
+    if list(recorder.seen) != expected:
+        raise Mismatch(f"trace reported {list(recorder.seen)[:6]} …, expected every layer's steps in order: "
+                       f"{expected[:6]} … ({len(expected)} in all)")
+    tol = tolerance("model", torch.float32)
+    for key in expected:
+        expect_close(recorder.seen[key], case.steps[key], tol, f"trace of layer {key[0]}, {STEP_NAMES[key[1]]}")
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
