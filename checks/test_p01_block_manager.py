@@ -27,7 +27,7 @@ pytestmark = pytest.mark.p01
 
 TOLERANCE_KIND = "exact"  # bookkeeping: integers, compared exactly
 # What `./check.sh grade` awards: a check's points, shared out over its cases (a module is worth the sum,
-# 38). An optional oracle's check (absent on most machines) is worth nothing.
+# 40). An optional oracle's check (absent on most machines) is worth nothing.
 POINTS = {
     "test_toy_scenario": 4,
     "test_toy_prefill_metadata": 2,
@@ -39,6 +39,7 @@ POINTS = {
     "test_hash_is_chained": 3,
     "test_freed_blocks_are_revived_and_reused_in_order": 3,
     "test_token_ids_guard_against_collisions": 2,
+    "test_a_miss_ends_the_hits_even_when_a_later_block_matches": 2,
     "test_random_operations_match_the_model": 6,
     "test_prefill_metadata": 3,
     "test_prefill_metadata_without_a_cached_prefix": 1,
@@ -494,6 +495,25 @@ def test_token_ids_guard_against_collisions(impl):
     d = player.allocate([3, 4, 9])  # equal tokens, same (empty) prefix: a true hit
     player.check()
     player.expect_cached(d, 2)
+
+
+def test_a_miss_ends_the_hits_even_when_a_later_block_matches(impl):
+    """after a miss every block is new, even when a later block would match (under the weak hash); every full
+    block's hash is the manager's hash_block of it"""
+    player = Player(impl, 9, 2, hash_block=weak_hash, follow_model=False)
+    player.allocate([1, 2, 3, 4, 5])  # the cache's one entry: the block [3, 4]
+    b = player.allocate([9, 9, 9, 9, 7])  # [9, 9] misses, becomes the entry; the second [9, 9] must not hit it
+    player.check()
+    player.expect_cached(b, 0)
+    table = list(player.live[b].block_table)
+    if len(set(table)) != len(table):
+        raise Mismatch(f"after {player.steps[-1]}: {b}'s block table {table} holds a block twice · steps: "
+                       f"{'; '.join(player.steps)}")
+    state = read_state(player.manager, 2)
+    wrong = [(i, h) for i, (h, full) in enumerate(zip(state.hashes, state.full)) if full and h != weak_hash(())]
+    if wrong:
+        raise Mismatch(f"blocks {[i for i, _ in wrong]} are full but have hashes {[h for _, h in wrong]}; the "
+                       f"manager's hash_block gives {weak_hash(())} for every block (use self.hash_block everywhere)")
 
 
 # ---- random operations (hypothesis) ----------------------------------------------------------------------

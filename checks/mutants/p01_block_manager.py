@@ -52,6 +52,12 @@ MISTAKES = [
         replace("hitting = hitting and found != -1 and self.blocks[found].token_ids == tokens", "hitting = hitting and found != -1"),
     ),
     Mistake(
+        "hits-after-a-miss",
+        "the lookup goes on after a miss, so a later block can be a hit",
+        "From the first miss on, every block is new: keep one flag that stays False once a block misses.",
+        replace("hitting = hitting and found != -1 and", "hitting = found != -1 and"),
+    ),
+    Mistake(
         "free-in-forward-order",
         "free walks the block table first block first",
         "Free a sequence's blocks last to first: the free list is reused from the left, so the tail goes first and the shared prefix stays cached longest.",
