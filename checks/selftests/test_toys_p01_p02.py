@@ -6,6 +6,7 @@ import os
 import pytest
 import torch
 
+from book.toys.p01_block_manager import replay
 from checks.harness.loader import named
 from checks.harness.mistakes import catalogue
 from checks.harness.toys import load_toy
@@ -19,28 +20,9 @@ def mutant(stem: str, mistake_id: str):
 
 
 def p01_steps(module, scenario: dict, upto: int | None = None) -> list[dict]:
-    """What each step of a toy scenario (up to step `upto`) gives: a question's answer, or the state after a call."""
-    block_size = load_toy(P01)["block_size"]
-    manager, live, found = module.BlockManager(scenario["num_blocks"], block_size), {}, []
-    for step in scenario["steps"][:upto]:
-        if step["do"] == "can_allocate":
-            found.append({"answer": manager.can_allocate(module.Sequence(step["tokens"], block_size))})
-            continue
-        if step["do"] == "can_append":
-            found.append({"answer": manager.can_append(live[step["seq"]])})
-            continue
-        if step["do"] == "allocate":
-            live[step["seq"]] = module.Sequence(step["tokens"], block_size)
-            manager.allocate(live[step["seq"]])
-        elif step["do"] == "append":
-            manager.append(live[step["seq"]], step["token"])
-        else:
-            manager.free(live.pop(step["seq"]))
-        found.append({"block_tables": {name: list(s.block_table) for name, s in live.items()},
-                      "num_cached_tokens": {name: s.num_cached_tokens for name, s in live.items()},
-                      "free": list(manager.free_block_ids), "ref_counts": [b.ref_count for b in manager.blocks],
-                      "cached_blocks": sorted(manager.hash_to_block_id.values())})
-    return found
+    """What each step of a toy scenario (up to step `upto`) gives: a question's answer, or the state after a
+    call (the book's replay of the scenario, which the book's page shows)."""
+    return replay(module, load_toy(P01)["block_size"], scenario, upto)[2]
 
 
 def p01_metadata(module, kind: str) -> dict:
