@@ -20,7 +20,7 @@ from collections import deque, namedtuple
 
 import torch
 
-MAX_MESSAGE = 2 << 30  # bytes; a reply larger than this is refused, not read
+MAX_MESSAGE = 256 << 20  # bytes; a message larger than this is refused, not read (the checks send megabytes)
 _DTYPES = {str(d).removeprefix("torch."): d for d in (
     torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.int16,
     torch.int8, torch.uint8, torch.bool, torch.complex64, torch.complex128)}
