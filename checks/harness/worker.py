@@ -95,12 +95,14 @@ def bubblewrap_command(writable: list[Path], cuda: bool) -> list[str]:
                 command.extend(["--perms", "0755", "--dir", str(parent)])
                 made.add(parent)
 
+    bound: set[Path] = set()  # folders of the host seen read-only inside (what lies below them is there too)
     for top in ("/usr", "/etc", "/bin", "/sbin", "/lib", "/lib64", "/lib32", "/opt"):
         path = Path(top)
         if path.is_symlink():
             command.extend(["--symlink", os.readlink(path), top])
         elif path.is_dir():
             command.extend(["--ro-bind", top, top])
+            bound.add(path)
         made.add(path)
     if cuda:
         command.extend(["--ro-bind", "/sys", "/sys"])
@@ -109,13 +111,14 @@ def bubblewrap_command(writable: list[Path], cuda: bool) -> list[str]:
     python_folders = {Path(p).resolve() for p in (sys.prefix, sys.base_prefix, sys.exec_prefix)}
     python_folders |= {Path(p).resolve() for p in sys.path if p and Path(p).is_dir()}
     for folder in sorted(python_folders):
-        if any(folder == m or m in folder.parents for m in made if m != Path("/")) or folder == kit:
-            continue
+        if any(folder == b or b in folder.parents for b in bound) or folder == kit:
+            continue  # already inside a bound folder (a tmpfs such as /tmp does not count: it is empty)
         if kit in folder.parents and not folder.is_relative_to(kit / ".venv"):
             continue  # nothing of the kit but its virtual environment
         parents_of(folder)
         command.extend(["--ro-bind", str(folder), str(folder)])
         made.add(folder)
+        bound.add(folder)
     for folder in sorted(python_folders):  # the oracle library and any installed copy of the kit: empty there
         for name in HIDDEN_PACKAGES:
             hidden = folder / name

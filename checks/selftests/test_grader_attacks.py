@@ -266,6 +266,7 @@ def grade(tmp_path: Path, text: str, *extra: str, env=None, cwd=ROOT, folder: Pa
 
 def assert_graded_as_failed(code: int, out: str, scored: dict, out_of: float = 20) -> None:
     assert code == 1, out[-2000:]
+    assert "could not start" not in out, "the sandbox itself failed: the attack proved nothing\n" + out[-1500:]
     assert scored["score"] < out_of and "Traceback" not in out
     assert any(t["status"] == "failed" for t in scored["tests"])
     for test in scored["tests"]:
