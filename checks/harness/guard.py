@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 
 from . import wire
-from .loader import Implementation, display
+from .loader import Implementation
 from .values import copy_with_layout, whole_storage
 from .worker import DEFAULT_MEMORY_LIMIT, ForkServer, Overran, Session, WorkerGone
 
@@ -179,8 +179,7 @@ class ModuleRun:
 
     def __init__(self, server: ForkServer, impl: Implementation, stem: str, time_limit: float):
         self.impl, self.stem, self.time_limit = impl, stem, time_limit
-        self.session = Session(server, impl.spec(stem), ParentCodec, IMPORT_TIME_LIMIT)
-        self.session.codec_for = lambda session: ParentCodec(self)
+        self.session = Session(server, impl.spec(stem), lambda session: ParentCodec(self), IMPORT_TIME_LIMIT)
         self.remotes: dict[tuple[int, int], Remote] = {}
         self.callbacks: list = []  # the check's callables the worker holds, by number
         self.epoch = 0  # counts calls: an object's attributes read before the last call may be stale
@@ -416,4 +415,4 @@ def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-__all__ = ["Call", "Guarded", "LearnerError", "New", "NotStarted", "Remote", "Returns", "Runs", "Writes", "display"]
+__all__ = ["Call", "Guarded", "LearnerError", "New", "NotStarted", "Remote", "Returns", "Runs", "Writes"]
