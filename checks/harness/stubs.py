@@ -16,8 +16,9 @@ import re
 from pathlib import Path
 
 GIVEN_CLASSES = {"KVCache", "Sequence", "Block", "PrefillMetadata", "DecodeMetadata",  # classes a stub ships complete
-                 "Qwen3Layer", "Qwen3Weights"}
-GIVEN_METHODS = {"BlockManager.__init__"}  # methods of a learner's class that a stub ships complete
+                 "Qwen3Layer", "Qwen3Weights", "Request", "SamplingParams", "EngineConfig"}
+GIVEN_METHODS = {"BlockManager.__init__", "Scheduler.__init__", "Scheduler.add", "Scheduler.is_finished",
+                 "ModelRunner.__init__", "LLM.__init__", "LLM._blocks_that_fit"}  # methods of a learner's class that a stub ships complete
 
 
 def make_stub(reference: str, stem: str) -> str:
