@@ -1,0 +1,101 @@
+"""Known mistakes in P06 (the engine), each a patch of `solutions/p06_engine.py`.
+
+Ids match the Pitfalls section of `exercises/p06_engine.md`.
+"""
+
+from checks.harness.mistakes import Broken, Mistake, Variant, chain, everyday_breakage, replace
+
+MISTAKES = [
+    Mistake(
+        "temperature-multiplied",
+        "the logits multiplied by the temperature instead of divided",
+        "A temperature below 1 sharpens the distribution: divide the logits by it (0.5 doubles every gap).",
+        replace("scaled = logits.float() / torch.where(", "scaled = logits.float() * torch.where("),
+    ),
+    Mistake(
+        "temperature-zero-sampled",
+        "temperature 0 sampled as if it were 1 instead of taking the argmax",
+        "Temperature 0 is the limit of sharper and sharper distributions: the argmax, with no draw at all.",
+        chain(
+            replace("    return torch.where((temperature > 0)[:, None], probs, greedy)", "    return probs"),
+            replace("        if not bool((temperature > 0).any()):\n            return logits.argmax(dim=-1)\n", ""),
+        ),
+    ),
+    Mistake(
+        "top-p-drops-the-crossing-token",
+        "top-p keeps only the tokens whose running sum, their own included, stays within p",
+        "Keep a token while the mass BEFORE it is below p: the token that crosses p is kept, so the kept mass reaches p.",
+        replace("before = ordered.cumsum(dim=-1) - ordered", "before = ordered.cumsum(dim=-1)"),
+    ),
+    Mistake(
+        "top-p-before-top-k",
+        "top-p measured on the whole distribution instead of the one top-k left",
+        "Apply top-k first, take the softmax of what it keeps, and measure top-p's mass on that distribution.",
+        chain(
+            replace("    scaled = scaled.masked_fill(scaled < kth, float(\"-inf\"))\n    probs = scaled.softmax(dim=-1)\n",
+                    "    probs = scaled.softmax(dim=-1)\n"),
+            replace("    probs = probs.masked_fill(drop, 0.0)\n",
+                    "    probs = probs.masked_fill(drop | (scaled < kth), 0.0)\n"),
+        ),
+    ),
+    Mistake(
+        "noise-multiplied",
+        "the race run as argmax(probs * noise), which is not a draw from probs",
+        "Divide: noise / probs is an exponential of rate probs, and the smallest of those wins with probability probs.",
+        replace("return (probs / noise).argmax(dim=-1)", "return (probs * noise).argmax(dim=-1)"),
+    ),
+    Mistake(
+        "chunk-draws",
+        "a chunk's row draws from the request's generator although its token is thrown away",
+        "Draw only for a request whose prompt is complete this step: a seeded request must not depend on chunking.",
+        replace("rows = [b for b, done in enumerate(complete) if done]", "rows = list(range(len(requests)))"),
+    ),
+    Mistake(
+        "rope-positions-from-zero",
+        "RoPE angles from the step's rows 0..T-1 instead of the tokens' positions",
+        "Rotate by p01's `positions`: a chunk starts at num_computed_tokens, a decode token sits at len(seq) - 1.",
+        replace("cos, sin = rope_cos_sin(positions, self.inv_freq,",
+                "cos, sin = rope_cos_sin(torch.arange(positions.shape[0], device=positions.device), self.inv_freq,"),
+    ),
+    Mistake(
+        "flash-despite-cache",
+        "flash_attn_varlen over the new tokens even when part of the sequence is in the cache",
+        "When the metadata has block tables, keys before this step's tokens live only in the cache: use paged_prefill.",
+        replace("if meta.block_tables is None:  # nothing cached", "if True:  # nothing cached"),
+    ),
+    Mistake(
+        "one-cache-for-all-layers",
+        "every layer stores into and reads layer 0's cache",
+        "Each layer has its own keys and values: layer l stores into and reads k_caches[l], v_caches[l].",
+        replace("        for index, layer in enumerate(model.layers):\n            T = hidden.shape[0]\n",
+                "        for layer in model.layers:\n            index, T = 0, hidden.shape[0]\n"),
+    ),
+    Mistake(
+        "first-row-logits",
+        "the logits of each chunk's first token instead of its last",
+        "The next token is predicted by the last computed position: row cu_seqlens_q[b + 1] - 1 of the step.",
+        replace("last = meta.cu_seqlens_q[1:].long() - 1", "last = meta.cu_seqlens_q[:-1].long()"),
+    ),
+    Mistake(
+        "decode-not-stored",
+        "the decode step attends without storing its token's keys and values",
+        "store_kvcache comes before paged_decode in every layer: the new token attends to itself too.",
+        replace("        return self._forward(input_ids, positions, slot_mapping, lambda index, q, k, v: paged_decode(",
+                "        return self._forward(input_ids, positions, torch.full_like(slot_mapping, -1), "
+                "lambda index, q, k, v: paged_decode("),
+    ),
+]
+
+VARIANTS = [
+    Variant(
+        "gumbel-max",
+        "the draw as argmax(log probs + Gumbel noise), with the Gumbel noise -log(Exp(1))",
+        replace("return (probs / noise).argmax(dim=-1)", "return (probs.log() - noise.log()).argmax(dim=-1)"),
+    ),
+]
+
+BROKEN = [
+    *everyday_breakage("    B, V = logits.shape", "probabilities"),
+    Broken("wrong-dtype", replace("    return (probs / noise).argmax(dim=-1)", "    return (probs / noise).argmax(dim=-1).int()"),
+           "int32"),
+]
