@@ -55,6 +55,10 @@ CONTRACTS = {
     "sample": lambda probs, noise: Returns((probs.shape[0],), torch.int64, probs.device, "[B] int64"),
 }
 TOY = load_toy("p06_engine")
+# Checks whose failures are not replayed on the catalogue to name a mistake: each replay reruns a whole
+# engine per mutant, and every mistake these catch is also caught, and named, by a cheaper check.
+UNNAMED = {"test_preemption_keeps_the_tokens", "test_stops_at_eos_unless_ignored",
+           "test_first_token_follows_the_distribution"}
 # (V, hidden, I, L, H, KVH, D): head dims the kernels take (powers of two >= 16), H != KVH
 LAYOUTS = {
     "L2-H4-KVH2-D16": (96, 48, 80, 2, 4, 2, 16),
@@ -156,7 +160,8 @@ def expect_greedy(run: Run, seed: int, layout: str, what: str) -> None:
             best = int(row.argmax())
             if not 0 <= token < row.shape[0] or row[token] < row[best] - NEAR_TIE:
                 shown = f"{float(row[token]):.3f}" if 0 <= token < row.shape[0] else "out of range"
-                agree = f"tokens 0..{step - 1} agree" if step else "the first token already differs"
+                agree = {0: "the first token already differs", 1: "the first token agrees"}.get(
+                    step, f"the first {step} tokens agree")
                 raise Mismatch(f"{what}: request {i} (prompt of {len(prompt)}), token {step} is {token}, HF's "
                                f"argmax is {best} (logit {float(row[best]):.3f} vs {shown}); {agree}")
 
@@ -429,11 +434,11 @@ def test_seeded_requests_do_not_depend_on_the_batch(request, impl, seed):
 # The chi-square test below fails a correct engine with probability FALSE_ALARM for a given seed; the
 # seed is fixed per run (printed by the report), so a verdict is reproducible.
 FALSE_ALARM = 1e-4
-DRAWS = 96
+DRAWS = 64
 
 
 def test_first_token_follows_the_distribution(request, impl, seed):
-    """the first sampled token of 96 seeded requests follows HF's top-3 distribution (chi-square, 1e-4)"""
+    """the first sampled token of 64 seeded requests follows HF's top-3 distribution (chi-square, 1e-4)"""
     layout = "L2-H2-KVH1-D16"
     gen = torch.Generator().manual_seed(seed)
     prompt = random_prompts(gen, 64, (6,))[0]

@@ -37,37 +37,50 @@ def shipped(path: str) -> str:
     return found.stdout if found.returncode == 0 else (ROOT / path).read_text()
 
 
-def run_checks(tmp: Path, *args: str) -> Run:
-    report = tmp / "results.json"
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "COLUMNS": "140"}
-    done = subprocess.run([sys.executable, "-m", "checks", "all", *args, "--json", str(report)],
-                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
-    if not report.is_file():
-        pytest.fail(f"the checks did not run:\n{done.stdout}\n{done.stderr}")
-    return Run(json.loads(report.read_text())["results"], done.stdout + done.stderr, done.returncode)
+class Started:
+    """`./check.sh all` running in the background; `result()` waits for it."""
+
+    def __init__(self, tmp: Path, *args: str):
+        self.report = tmp / "results.json"
+        env = {**os.environ, "PYTHONPATH": str(ROOT), "COLUMNS": "140"}
+        self.process = subprocess.Popen([sys.executable, "-m", "checks", "all", *args, "--json", str(self.report)],
+                                        cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        self.done: Run | None = None
+
+    def result(self) -> Run:
+        if self.done is None:
+            try:
+                output, _ = self.process.communicate(timeout=1500)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                output, _ = self.process.communicate()
+            if not self.report.is_file():
+                pytest.fail(f"the checks did not run:\n{output}")
+            self.done = Run(json.loads(self.report.read_text())["results"], output, self.process.returncode)
+        return self.done
 
 
 @pytest.fixture(scope="session")
-def stubs_folder(tmp_path_factory) -> Path:
-    folder = tmp_path_factory.mktemp("stubs")
-    for m in modules():
-        (folder / f"{m.stem}.py").write_text(shipped(f"mine/{m.stem}.py"))
-    return folder
+def both_runs(tmp_path_factory, stubs_folder) -> tuple[Started, Started]:
+    """The two runs below, started together: they are independent, and a machine has two cores at least."""
+    full = Started(tmp_path_factory.mktemp("full"), "--seed", str(SEEDS[0]), "--time-limit", "3",
+                   "--impl", "solutions", "--impl", str(stubs_folder),
+                   "--impl", "mutants", "--impl", "variants", "--impl", "broken")
+    second = Started(tmp_path_factory.mktemp("second"), "--seed", str(SEEDS[1]),
+                     "--impl", "solutions", "--impl", "mutants", "--impl", "variants")
+    return full, second
 
 
 @pytest.fixture(scope="session")
-def full_run(tmp_path_factory, stubs_folder) -> Run:
+def full_run(both_runs) -> Run:
     """Seed 2026: the reference, the stubs, and every mutant, variant and broken sample."""
-    return run_checks(tmp_path_factory.mktemp("full"), "--seed", str(SEEDS[0]), "--time-limit", "3",
-                      "--impl", "solutions", "--impl", str(stubs_folder),
-                      "--impl", "mutants", "--impl", "variants", "--impl", "broken")
+    return both_runs[0].result()
 
 
 @pytest.fixture(scope="session")
-def second_seed_run(tmp_path_factory) -> Run:
+def second_seed_run(both_runs) -> Run:
     """Another seed: what must hold for any seed (reference and variants pass, mutants fail)."""
-    return run_checks(tmp_path_factory.mktemp("second"), "--seed", str(SEEDS[1]),
-                      "--impl", "solutions", "--impl", "mutants", "--impl", "variants")
+    return both_runs[1].result()
 
 
 @pytest.fixture(scope="session")
