@@ -27,7 +27,7 @@ pytestmark = pytest.mark.p01
 
 TOLERANCE_KIND = "exact"  # bookkeeping: integers, compared exactly
 # What `./check.sh grade` awards: a check's points, shared out over its cases (a module is worth the sum,
-# 40). An optional oracle's check (absent on most machines) is worth nothing.
+# 46). An optional oracle's check (absent on most machines) is worth nothing.
 POINTS = {
     "test_toy_scenario": 4,
     "test_toy_prefill_metadata": 2,
@@ -40,6 +40,9 @@ POINTS = {
     "test_freed_blocks_are_revived_and_reused_in_order": 3,
     "test_token_ids_guard_against_collisions": 2,
     "test_a_miss_ends_the_hits_even_when_a_later_block_matches": 2,
+    "test_can_allocate_at_a_block_boundary": 2,
+    "test_free_empties_the_sequence_and_it_can_be_allocated_again": 2,
+    "test_a_partial_block_has_no_hash_and_no_tokens": 2,
     "test_random_operations_match_the_model": 6,
     "test_prefill_metadata": 3,
     "test_prefill_metadata_without_a_cached_prefix": 1,
@@ -514,6 +517,64 @@ def test_a_miss_ends_the_hits_even_when_a_later_block_matches(impl):
     if wrong:
         raise Mismatch(f"blocks {[i for i, _ in wrong]} are full but have hashes {[h for _, h in wrong]}; the "
                        f"manager's hash_block gives {weak_hash(())} for every block (use self.hash_block everywhere)")
+
+
+def test_can_allocate_at_a_block_boundary(impl):
+    """can_allocate is True with exactly the blocks a prompt needs (a partial last block counts), False with fewer"""
+    player = Player(impl, 3, 4)
+    a = player.allocate(list(range(100, 109)))  # 9 tokens: 3 blocks, exactly the 3 free ones
+    player.check()
+    player.allocate([1, 2, 3, 4])  # none free: False
+    player.free(a)
+    player.allocate(list(range(200, 213)))  # 13 tokens need 4 blocks, 3 are free: False
+    b = player.allocate(list(range(300, 305)))  # 5 tokens: 2 blocks, 1 left
+    player.allocate([7, 8, 9, 10])  # exactly the 1 block left: True
+    player.check()
+    if b is None:
+        raise Mismatch(f"a 5-token prompt did not fit 3 free blocks · steps: {'; '.join(player.steps)}")
+
+
+def test_free_empties_the_sequence_and_it_can_be_allocated_again(impl):
+    """after free a sequence holds no block and no cached token; allocated again (a preempted sequence comes
+    back) it finds its prefix in the cache"""
+    manager = impl.BlockManager(6, 4)
+    other = impl.Sequence([1, 2, 3, 4, 5, 6, 7, 8, 50], 4)
+    manager.allocate(other)  # blocks 0, 1 (full, cached) and 2
+    seq = impl.Sequence([1, 2, 3, 4, 5, 6, 7, 8, 60, 61], 4)
+    manager.allocate(seq)  # hits 0 and 1 (8 cached tokens), then block 3
+    manager.free(seq)  # block 3 goes back on the right: free list [4, 5, 3]
+    table, cached = list(seq.block_table), seq.num_cached_tokens
+    if table or cached != 0:
+        raise Mismatch(f"after free the sequence has block_table {table} and num_cached_tokens {cached}, "
+                       f"expected [] and 0")
+    manager.allocate(seq)  # the same object again, as a scheduler re-admits a preempted sequence
+    table, cached = list(seq.block_table), seq.num_cached_tokens
+    if (table, cached) != ([0, 1, 4], 8):
+        raise Mismatch(f"allocated again after free, the sequence has block_table {table} and num_cached_tokens "
+                       f"{cached}, expected [0, 1, 4] and 8 (two hits, then the leftmost free block)")
+
+
+def test_a_partial_block_has_no_hash_and_no_tokens(impl):
+    """a block that is not full has hash -1, token_ids [] and no cache entry; it gets all three once an append
+    fills it"""
+    manager = impl.BlockManager(4, 4)
+    seq = impl.Sequence([1, 2, 3, 4, 5, 6], 4)
+    manager.allocate(seq)  # block 0 full, block 1 holds 2 tokens
+    for tokens, expect_full in (([], False), ([7], False), ([8], True)):
+        for token in tokens:
+            manager.append(seq, token)
+        block = manager.blocks[seq.block_table[1]]
+        entries = dict(manager.hash_to_block_id)
+        what = f"with {len(seq)} tokens (block 1 holds {len(seq) - 4})"
+        if not expect_full and (block.hash != -1 or list(block.token_ids) or -1 in entries
+                                or seq.block_table[1] in entries.values()):
+            raise Mismatch(f"{what}: the partial block has hash {block.hash} and token_ids {list(block.token_ids)}"
+                           f"{' and a cache entry' if seq.block_table[1] in entries.values() else ''}; expected "
+                           f"-1, [] and none")
+        if expect_full and (block.hash == -1 or list(block.token_ids) != [5, 6, 7, 8]
+                            or entries.get(block.hash) != seq.block_table[1]):
+            raise Mismatch(f"{what}: the block just filled has hash {block.hash} and token_ids "
+                           f"{list(block.token_ids)}; expected its chained hash, [5, 6, 7, 8], and a cache entry")
 
 
 # ---- random operations (hypothesis) ----------------------------------------------------------------------

@@ -96,6 +96,37 @@ MISTAKES = [
         "The token being decoded is already in the sequence: its position is len(seq) - 1, and the context (len(seq) tokens) includes it.",
         replace("last = [len(seq) - 1 for seq in seqs]", "last = [len(seq) for seq in seqs]"),
     ),
+    Mistake(
+        "can-allocate-floor",
+        "can_allocate counts len // block_size blocks, forgetting the partial last one",
+        "A sequence of len tokens needs ceil(len / block_size) blocks (seq.num_blocks): 9 tokens in blocks of 4 need 3.",
+        replace("return len(self.free_block_ids) >= seq.num_blocks", "return len(self.free_block_ids) >= len(seq) // self.block_size"),
+    ),
+    Mistake(
+        "can-allocate-strict",
+        "can_allocate asks for more free blocks than needed (> instead of >=)",
+        "Exactly as many free blocks as the sequence needs is enough: the comparison is >=.",
+        replace("return len(self.free_block_ids) >= seq.num_blocks", "return len(self.free_block_ids) > seq.num_blocks"),
+    ),
+    Mistake(
+        "free-keeps-table",
+        "free releases the blocks but leaves them in the sequence's block table",
+        "After free the sequence holds no block: empty its block_table, so a preempted sequence starts again from nothing.",
+        replace("        seq.block_table.clear()\n", ""),
+    ),
+    Mistake(
+        "free-keeps-cached-count",
+        "free leaves num_cached_tokens as it was",
+        "Set num_cached_tokens to 0 in free: the next allocate counts the hits it finds then, from 0.",
+        replace("        seq.num_cached_tokens = 0\n", ""),
+    ),
+    Mistake(
+        "partial-block-sealed",
+        "a partial block given its tokens (and hash -1) and entered in the cache",
+        "Only a full block gets a hash, its token_ids and a cache entry; a partial one keeps hash -1 and [] until an append fills it.",
+        replace("                if full:\n                    self._seal(block, tokens, block_hash)\n",
+                "                self._seal(block, tokens, block_hash)\n"),
+    ),
 ]
 
 VARIANTS = [
