@@ -122,7 +122,8 @@ def rotary(
     Returns:
         `(q_rotated, k_rotated)`, shapes and dtype of `q` and `k`. Rounding rule: q and k are upcast to
         fp32, rotated with the fp32 cos/sin, and rounded to their dtype once at the end (nano-vllm's
-        rule; it is at least as accurate as Hugging Face's rotation in the model dtype).
+        rule; it is at least as accurate as Hugging Face's rotation in the model dtype). Casting the
+        looked-up cos/sin to q's dtype and rotating there (Hugging Face's rounding) is also accepted.
     """
     cos, sin = cos_sin_cache[positions].chunk(2, dim=-1)  # [T, D] -> [T, D/2] each
     cos, sin = torch.cat((cos, cos), dim=-1), torch.cat((sin, sin), dim=-1)  # [T, D], halves duplicated
