@@ -6,6 +6,8 @@
     ./check.sh list                     modules, titles and the status of your last check
     ./check.sh reset m02                back up mine/m02_... and put the stub back
     ./check.sh book                     build the book (a page per module, with your progress) in .kvlab/book/
+    ./check.sh p03 --bench              on a GPU: time your kernel (p03, p04) or engine (p06) against the
+                                        reference and torch
     ./check.sh grade DIR [MODULE ...] --gradescope results.json --junit report.xml
                                         grade a student's folder in a sandbox (instructors)
 """
@@ -50,6 +52,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="print the module's hints of level N (1: a nudge, 2: the pitfalls, 3: nearly the code)")
     parser.add_argument("--lang", choices=("en", "zh"), default="en", help="with --hint: English or Chinese")
     parser.add_argument("--pytest", action="store_true", help="show pytest's own output as well (for kit developers)")
+    parser.add_argument("--bench", action="store_true",
+                        help="time the module (p03, p04, p06) on a GPU against the reference and torch, instead of "
+                             "checking it")
     parser.add_argument("--out", metavar="DIR", help="with book: the folder to write the book to (default .kvlab/book)")
     args = parser.parse_args(argv)
 
@@ -68,6 +73,10 @@ def main(argv: list[str] | None = None) -> int:
         from checks.grading import grade
 
         return grade(args, registry, run)
+    if args.bench:
+        from checks.benchmarks.bench import bench
+
+        return bench(args.target, (args.impl or ["mine"])[-1])
     if args.target == ["book"]:
         from book.build import main as build_book
 

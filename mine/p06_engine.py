@@ -171,7 +171,9 @@ class ModelRunner:
         Sizes 1, 2, 4, 8, then every multiple of 16, up to `max_num_seqs`, the largest first, all in one
         memory pool. The graphs read static input buffers (`input_ids`, `positions`, `slot_mapping`,
         `context_lens`, `block_tables [max_num_seqs, max_blocks]`) and write a static output; run each
-        step once before recording it, so the kernels are compiled and tuned outside the recording.
+        step once before recording it, so the kernels are compiled and tuned outside the recording. That
+        warm-up step reads real keys (about 64k in all, through distinct blocks, storing nothing): the
+        autotuner then times its configs on the reads a decode step makes, not on empty rows.
         Fills `graphs` (batch size -> graph) for `decode` to replay.
         """
         raise NotImplementedError("ModelRunner.capture_decode_graphs (mine/p06_engine.py) is not written yet")

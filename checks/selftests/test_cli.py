@@ -5,6 +5,9 @@ import shutil
 import subprocess
 import sys
 
+import pytest
+import torch
+
 from checks.harness.loader import ROOT
 from checks.harness.modules import modules
 from checks.selftests.conftest import shipped
@@ -117,3 +120,11 @@ def test_hints_in_the_terminal():
     assert code == 0 and "Hints L2" in out and "--hint 3" in out
     code, out = check_sh("m02", "--hint", "1", "--lang", "zh")
     assert code == 0 and "Hints L1" in out
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU, --bench times for real")
+def test_bench_on_a_cpu_says_a_gpu_is_needed():
+    code, out = check_sh("p03", "p06", "--bench")
+    assert code == 0, out
+    assert out.strip().splitlines() == [out.strip()] and "needs a CUDA GPU" in out, out
+    assert check_sh("m01", "--bench")[0] == 2  # no benchmark for it: a usage error
