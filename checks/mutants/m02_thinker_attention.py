@@ -146,6 +146,19 @@ def attention_forward(w, x, cos, sin, cache=None):
 '''
         ),
     ),
+    Mistake(
+        "no-scale",
+        "scores never scaled by 1 / sqrt(D)",
+        "Multiply q . k by D ** -0.5 before the softmax: unscaled scores grow with D and the softmax saturates.",
+        replace(_SCORES, _SCORES.replace(" * D**-0.5", "")),
+    ),
+    Mistake(
+        "o-proj-skipped",
+        "the heads returned as they are, without o_proj",
+        "The attention output is `[T, H*D]` only before o_proj; the layer returns `out @ o_proj.T`, `[T, hidden]`.",
+        replace("    return out.reshape(T, H * D) @ w.o_proj.T  # [T, H*D] -> [T, hidden]",
+                "    return out.reshape(T, H * D)[:, : w.o_proj.shape[0]]  # [T, H*D] -> [T, hidden]"),
+    ),
 ]
 
 VARIANTS = [

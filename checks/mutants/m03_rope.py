@@ -89,6 +89,19 @@ MISTAKES = [
             "    axis = torch.repeat_interleave(torch.arange(3), torch.tensor(mrope_section))\n",
         ),
     ),
+    Mistake(
+        "cache-shifted",
+        "nano-vllm's table built for positions 1 .. max_position, one row off",
+        "Row p of the cache is position p: the angles of arange(max_position), starting at 0 (cos 1, sin 0).",
+        replace("    positions = torch.arange(max_position)  # [max_position]", "    positions = torch.arange(1, max_position + 1)  # [max_position]"),
+    ),
+    Mistake(
+        "cache-halves-swapped",
+        "nano-vllm's table stored as sin | cos",
+        "Store cos first and sin second, `cat((cos, sin), -1)`, and split it in the same order in rotary.",
+        replace("return torch.cat((angles.cos(), angles.sin()), dim=-1)  # [P, D]: cos | sin",
+                "return torch.cat((angles.sin(), angles.cos()), dim=-1)  # [P, D]: cos | sin"),
+    ),
 ]
 
 VARIANTS = [

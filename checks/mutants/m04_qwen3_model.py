@@ -74,6 +74,20 @@ MISTAKES = [
         replace('tensors = {name: state_dict[f"{prefix}self_attn.{name}.weight"] for name in _ATTENTION}',
                 'tensors = {name: state_dict[f"{prefix}self_attn.{name}.weight"].float() for name in _ATTENTION}'),
     ),
+    Mistake(
+        "embeddings-scaled",
+        "the embeddings multiplied by sqrt(hidden), as Gemma does",
+        "Qwen3 feeds the embedding rows to the first layer as they are; only some other families scale them.",
+        replace("    hidden = model.embed_tokens[token_ids]  # [T, hidden]",
+                "    hidden = model.embed_tokens[token_ids] * model.embed_tokens.shape[1] ** 0.5  # [T, hidden]"),
+    ),
+    Mistake(
+        "token-not-fed-back",
+        "every decode step feeds the prompt's last token again instead of the token just chosen",
+        "Each decode step's input is the token the previous step chose: append it, then run the model on it.",
+        replace("logits = model_forward(model, new_tokens[-1][None], caches)",
+                "logits = model_forward(model, prompt_ids[-1:], caches)"),
+    ),
 ]
 
 VARIANTS = [

@@ -127,6 +127,15 @@ MISTAKES = [
         replace("                if full:\n                    self._seal(block, tokens, block_hash)\n",
                 "                self._seal(block, tokens, block_hash)\n"),
     ),
+    Mistake(
+        "hash-by-depth",
+        "a block's hash chained to its index in the sequence instead of the previous block's hash",
+        "Chain the previous block's hash: the index says where a block sits, not what came before it.",
+        chain(
+            replace("block_hash = self.hash_block(tokens, prefix_hash) if full else -1", "block_hash = self.hash_block(tokens, j) if full else -1"),
+            replace("self._seal(self.blocks[seq.block_table[j]], tokens, self.hash_block(tokens, prefix_hash))", "self._seal(self.blocks[seq.block_table[j]], tokens, self.hash_block(tokens, j))"),
+        ),
+    ),
 ]
 
 VARIANTS = [

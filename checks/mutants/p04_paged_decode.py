@@ -46,6 +46,13 @@ MISTAKES = [
         "Each split's output is normalised by its own sum: merge with weights exp(lse_s - max lse), divided by their sum.",
         replace("weights = tl.exp2(lse - shift)", 'weights = tl.where(lse > float("-inf"), 1.0, 0.0)'),
     ),
+    Mistake(
+        "no-scale",
+        "softmax_scale ignored: the scores are never multiplied by D ** -0.5",
+        "With softmax_scale None the scale is D ** -0.5; pass scale * log2(e) to the kernel, never log2(e) alone.",
+        replace("        q, k_cache, v_cache, out, part_out, part_lse, block_table, cu_seqlens_q, seqlens_k, scale * LOG2E, num_splits,",
+                "        q, k_cache, v_cache, out, part_out, part_lse, block_table, cu_seqlens_q, seqlens_k, LOG2E, num_splits,"),
+    ),
 ]
 
 VARIANTS = [
