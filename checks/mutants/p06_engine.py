@@ -18,7 +18,8 @@ MISTAKES = [
         "Temperature 0 is the limit of sharper and sharper distributions: the argmax, with no draw at all.",
         chain(
             replace("    return torch.where((temperature > 0)[:, None], probs, greedy)", "    return probs"),
-            replace("        if not bool((temperature > 0).any()):\n            return logits.argmax(dim=-1)\n", ""),
+            replace("        if all(float(p.temperature) <= 0 for p in params):  # decided on the host: no wait for the GPU\n"
+                    "            return logits.argmax(dim=-1)\n", ""),
         ),
     ),
     Mistake(
@@ -32,10 +33,10 @@ MISTAKES = [
         "top-p measured on the whole distribution instead of the one top-k left",
         "Apply top-k first, take the softmax of what it keeps, and measure top-p's mass on that distribution.",
         chain(
-            replace("    scaled = scaled.masked_fill(scaled < kth, float(\"-inf\"))\n    probs = scaled.softmax(dim=-1)\n",
-                    "    probs = scaled.softmax(dim=-1)\n"),
-            replace("    probs = probs.masked_fill(drop, 0.0)\n",
-                    "    probs = probs.masked_fill(drop | (scaled < kth), 0.0)\n"),
+            replace("        scaled = scaled.masked_fill(scaled < kth, float(\"-inf\"))\n        probs = scaled.softmax(dim=-1)\n",
+                    "        probs = scaled.softmax(dim=-1)\n"),
+            replace("        probs = probs.masked_fill(drop, 0.0)\n",
+                    "        probs = probs.masked_fill(drop | (scaled < kth), 0.0)\n"),
         ),
     ),
     Mistake(
