@@ -87,6 +87,7 @@ class Call:
     data: dict = field(default_factory=dict)  # id(object made by the learner's classes) -> its `plain` data after
     written: dict = field(default_factory=dict)  # position (or keyword) of a `Writes` argument -> it after the call
     owner: int | None = None  # for a method: id of the object it was called on
+    returned: dict = field(default_factory=dict)  # id(a `Remote` in the result) -> its attributes as it came back
 
 
 @dataclass
@@ -342,7 +343,7 @@ class Guarded:
         by_id = {id(self.run.remote(h, "", "object")): s for h, s in states.items()} if states else {}
         data_by_id = {id(self.run.remote(h, "", "object")): d for h, d in data.items()} if data else {}
         self.events.append(Call(name, recorded_args, recorded_kwargs, snapshot(result), by_id, changed, data_by_id,
-                                after, None if owner is None else id(owner)))
+                                after, None if owner is None else id(owner), returned_attributes(result)))
         if changed is not None:
             raise LearnerError(f"`{name}` changed its input `{changed}` in place", identifiable=True)
         if refused is not None:  # an alias of an input: compared with the mutants all the same
@@ -372,6 +373,19 @@ def snapshot(value):
     if type(value) is tuple:
         return tuple(snapshot(v) for v in value)
     return value  # objects in the worker are matched by identity; others are left untouched
+
+
+def returned_attributes(value, found: dict | None = None) -> dict:
+    """The attributes of every `Remote` in a result (inside lists and tuples too), as they came back: a
+    Remote's own `_attributes` follow the object as later replies refresh them, and a replay compares the
+    mutant's object with what the learner's was just after this call."""
+    found = {} if found is None else found
+    if isinstance(value, Remote) and id(value) not in found:
+        found[id(value)] = dict(value._attributes)
+    elif type(value) in (list, tuple):
+        for item in value:
+            returned_attributes(item, found)
+    return found
 
 
 def copy_back(target: torch.Tensor, written, name: str, key) -> None:

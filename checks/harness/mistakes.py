@@ -180,13 +180,16 @@ def _replays_alike(events: list, module, tolerance_kind: str, time_limit: float)
             result = run_with_time_limit(function, time_limit, *args, **kwargs)
         except BaseException:  # noqa: BLE001 - the mutant crashed where the learner did not
             return False
-        if not _alike(result, event.result, tolerance_kind):
+        # objects a method returned (a list of requests) become the replay's too, for the calls that pass them on
+        if not _alike(result, event.result, tolerance_kind, event.returned, made):
             return False
         if (changed_input(before, names) is None) != (event.changed is None):
             return False
         for key, after in event.written.items():
             if not _alike(whole_storage(written[key]), whole_storage(after), tolerance_kind):
                 return False
+        if not all(obj_id in made for obj_id in (*event.states, *event.data)):
+            return False  # an object the replay never made or got back
         for obj_id, state in event.states.items():
             mine = leaves(made[obj_id])
             if mine.keys() != state.keys():
@@ -213,14 +216,24 @@ def _fresh(value, made: dict):
     return made.get(id(value), value)
 
 
-def _alike(a, b, tolerance_kind: str) -> bool:
+def _alike(a, b, tolerance_kind: str, returned: dict | None = None, made: dict | None = None) -> bool:
+    """`a` (the mutant's) is `b` (the learner's, as recorded) within the tolerance. A `Remote` in `b` is alike
+    when the mutant's object has its attributes as they came back (`returned`, else the latest); with `made`,
+    it must also be the object the replay already matched to it, or it is registered as that object."""
     if isinstance(b, (tuple, list)):
         return isinstance(a, (tuple, list)) and len(a) == len(b) and all(
-            _alike(x, y, tolerance_kind) for x, y in zip(a, b)
+            _alike(x, y, tolerance_kind, returned, made) for x, y in zip(a, b)
         )
     if isinstance(b, Remote):  # an object the learner's call returned: alike when its attributes are
-        shown = {k: v for k, v in b._attributes.items() if k != "__len__"}
-        return bool(shown) and all(_alike(getattr(a, k, _MISSING), v, tolerance_kind) for k, v in shown.items())
+        attributes = (returned or {}).get(id(b), b._attributes)
+        shown = {k: v for k, v in attributes.items() if k != "__len__"}
+        if not shown or not all(_alike(getattr(a, k, _MISSING), v, tolerance_kind) for k, v in shown.items()):
+            return False
+        if made is not None:
+            if id(b) in made:
+                return made[id(b)] is a  # the same object the learner's call handed back before
+            made[id(b)] = a
+        return True
     if not isinstance(a, torch.Tensor) or not isinstance(b, torch.Tensor):
         return type(a) is type(b) and a == b  # 1 is not True: a wrong type is not a match
     if a.shape != b.shape or a.dtype != b.dtype:

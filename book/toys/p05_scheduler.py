@@ -1,0 +1,230 @@
+"""How to run P05's toy: the scenarios of `toy_cases/p05_scheduler.json`, step by step, on `Scheduler`.
+
+Each step adds the step's requests, calls `schedule()`, then `postprocess()` with the sampled tokens. The
+batch (request and num_scheduled_tokens), whether it is a prefill, the finished requests, both queues, the
+free list, and every waiting or running request's block table and computed tokens come from the reference,
+and must equal what the toy file stores (else `ToyDrift`). Worked here and tied to the reference: each
+prefill request's cost (its tokens minus its computed ones) against the budget left, which must give the
+reference's num_scheduled_tokens.
+"""
+
+from book.i18n import T
+from book.toys import Cell, Field, Scenario, Step, Table, ToyDrift
+
+STATE = ("batch", "is_prefill", "finished", "waiting", "running", "free", "block_tables", "num_computed_tokens")
+LABELS = {
+    "batch": T("batch (request num_scheduled_tokens)", "batch（请求 num_scheduled_tokens）"),
+    "is_prefill": T("is_prefill", "is_prefill"),
+    "finished": T("finished", "完成"),
+    "waiting": T("waiting", "waiting"),
+    "running": T("running", "running"),
+    "free": T("free list", "空闲链表"),
+    "block_tables": T("block tables", "块表"),
+    "num_computed_tokens": T("computed tokens", "已计算的 token 数"),
+    "completions": T("completion tokens so far", "目前生成的 token"),
+}
+
+
+NAMES_ZH = {"budget, chunk and prefix hit": "预算、chunk 与前缀命中", "preemption": "抢占"}
+
+
+def _list(values) -> str:
+    return "[" + ", ".join(str(v) for v in values) + "]"
+
+
+def _batch(batch) -> str:
+    return "[" + ", ".join(f"{name} {n}" for name, n in batch) + "]"
+
+
+def _per_request(values: dict) -> str:
+    return ", ".join(f"{name} {_list(v) if isinstance(v, list) else v}" for name, v in values.items()) or "—"
+
+
+# ---- replaying a scenario ------------------------------------------------------------------------------
+
+
+def replay(module, scenario: dict, upto: int | None = None) -> tuple[list[dict], dict]:
+    """Run the scenario's steps (up to step `upto`) on a fresh `module.Scheduler`: per step the state the toy
+    file stores, and at the end (of the steps run) every request's completion tokens."""
+    scheduler = module.Scheduler(scenario["num_blocks"], scenario["block_size"], scenario["max_num_seqs"],
+                                 scenario["max_num_batched_tokens"], scenario["eos_token_id"])
+    requests, names, found = {}, {}, []
+    for step in scenario["steps"][:upto]:
+        for new in step.get("add", []):
+            request = scheduler.add(new["id"], new["prompt"], new["max_tokens"], new.get("ignore_eos", False))
+            requests[new["name"]], names[id(request)] = request, new["name"]
+        batch, is_prefill = scheduler.schedule()
+        seen = [[names[id(r)], r.num_scheduled_tokens] for r in batch]
+        finished = scheduler.postprocess(batch, _sampled(step, len(batch)))
+        live = sorted([*scheduler.waiting, *scheduler.running], key=lambda r: r.request_id)
+        found.append({"batch": seen, "is_prefill": is_prefill, "finished": [names[id(r)] for r in finished],
+                      "waiting": [names[id(r)] for r in scheduler.waiting],
+                      "running": [names[id(r)] for r in scheduler.running],
+                      "free": list(scheduler.block_manager.free_block_ids),
+                      "block_tables": {names[id(r)]: list(r.block_table) for r in live},
+                      "num_computed_tokens": {names[id(r)]: r.num_computed_tokens for r in live}})
+    completions = {name: list(r.token_ids[r.num_prompt_tokens :]) for name, r in requests.items()}
+    return found, completions
+
+
+FILLER = 99  # sampled for a request a mistake adds to the toy's batch (it is no eos in either scenario)
+
+
+def _sampled(step: dict, n: int) -> list[int]:
+    """The toy's sampled tokens for a batch of n requests: a mistake's batch may be longer or shorter."""
+    return (step["sampled"] + [FILLER] * n)[:n]
+
+
+def _fields(found: dict, completions: dict) -> list[Field]:
+    text = {"batch": _batch(found["batch"]), "is_prefill": str(found["is_prefill"]),
+            "finished": _list(found["finished"]), "waiting": _list(found["waiting"]),
+            "running": _list(found["running"]), "free": _list(found["free"]),
+            "block_tables": _per_request(found["block_tables"]),
+            "num_computed_tokens": _per_request(found["num_computed_tokens"])}
+    return [*(Field(key, LABELS[key], text[key]) for key in STATE),
+            Field("completions", LABELS["completions"], _per_request(completions))]
+
+
+def _added(step: dict) -> T:
+    parts = [f"{r['name']} = {_list(r['prompt'])} max {r['max_tokens']}" + (" ignore_eos" * bool(r.get("ignore_eos")))
+             for r in step.get("add", [])]
+    return T("; ".join(parts) or "—", "；".join(parts) or "—")
+
+
+def _last(replayed: tuple[list[dict], dict]) -> tuple[dict, dict]:
+    found, completions = replayed
+    return found[-1], completions
+
+
+def scenarios(toy: dict) -> list[Scenario]:
+    found = []
+    for n, scenario in enumerate(toy["scenarios"], 1):
+        for step in scenario["steps"]:
+            k = step["step"]
+            title = T(f"{scenario['name']}, step {k}: schedule, then postprocess {_list(step['sampled'])}",
+                      f"场景 {n} 第 {k} 步：schedule，然后 postprocess {_list(step['sampled'])}")
+            found.append(Scenario(f"s{n}-step{k}", title,
+                                  lambda module, s=scenario, k=k: _fields(*_last(replay(module, s, k)))))
+    return found
+
+
+# ---- probes: what the toy's steps never exercise -------------------------------------------------------
+
+
+PROBE_CASE = T("a case like the checks': three one-token requests at once with max_num_seqs 2 (block size 2, "
+               "10 blocks, a budget of 16), one prefill step",
+               "和检查里一样的用例：同时来三个单 token 请求，max_num_seqs 为 2（块大小 2，10 个块，预算 16），"
+               "做一个 prefill 步")
+
+
+def _seats(module) -> list[Field]:
+    scheduler = module.Scheduler(10, 2, 2, 16, -1)
+    names = {}
+    for i in range(3):
+        names[id(scheduler.add(i, [i + 1], 2))] = "ABC"[i]
+    batch, is_prefill = scheduler.schedule()
+    return [Field("batch", LABELS["batch"], _batch([names[id(r)], r.num_scheduled_tokens] for r in batch)),
+            Field("waiting", LABELS["waiting"], _list(names[id(r)] for r in scheduler.waiting))]
+
+
+def probes() -> list[Scenario]:
+    return [Scenario("probe-seats", T("add A = [1], B = [2], C = [3] (max_num_seqs 2), then schedule",
+                                      "add A = [1]、B = [2]、C = [3]（max_num_seqs 为 2），然后 schedule"), _seats)]
+
+
+# ---- the walk-through ---------------------------------------------------------------------------------
+
+
+def _same(got, want, what: str) -> None:
+    if got != want:
+        raise ToyDrift(f"{what}: the reference gives {got}, toy_cases/ stores {want}: the toy file and "
+                       "solutions/ disagree")
+
+
+def _scenario_step(reference, n: int, scenario: dict) -> Step:
+    found, completions = replay(reference, scenario)
+    rows = []
+    for step, got in zip(scenario["steps"], found, strict=True):
+        _same(got, {key: step[key] for key in got}, f"{scenario['name']} step {step['step']}")
+        kind = T("prefill", "prefill") if got["is_prefill"] else T("decode", "decode")
+        tables = tuple(f"{name} {_list(table)} · {got['num_computed_tokens'][name]}"
+                       for name, table in got["block_tables"].items()) or ("—",)
+        rows.append([str(step["step"]), Cell.of(_added(step), "text"), Cell.of(kind, "text"),
+                     Cell.of(_batch(got["batch"]), "text"), step["sampled"], Cell.of(_list(got["finished"]), "text"),
+                     Cell.of(_list(got["waiting"]), "text"), Cell.of(_list(got["running"]), "text"), got["free"],
+                     Cell(tables, kind="text")])
+    _same(completions, scenario["completions"], f"{scenario['name']}: the completion tokens")
+    columns = [T("step", "步骤"), T("added before it", "此前加入"), T("kind", "类型"),
+               T("batch: request num_scheduled_tokens", "batch：请求 num_scheduled_tokens"),
+               T("sampled", "采样的 token"), T("finished", "完成"), T("waiting (left first)", "waiting（从左取）"),
+               T("running (left first)", "running（从左取）"), T("free list (left first)", "空闲链表（从左取）"),
+               T("block table · computed tokens", "块表 · 已计算 token 数")]
+    config = (f"{scenario['num_blocks']} blocks of {scenario['block_size']}, max_num_seqs {scenario['max_num_seqs']}, "
+              f"max_num_batched_tokens {scenario['max_num_batched_tokens']}, eos_token_id {scenario['eos_token_id']}")
+    config_zh = (f"{scenario['num_blocks']} 个大小为 {scenario['block_size']} 的块，max_num_seqs "
+                 f"{scenario['max_num_seqs']}，max_num_batched_tokens {scenario['max_num_batched_tokens']}，"
+                 f"eos_token_id {scenario['eos_token_id']}")
+    done = ", ".join(f"{name} {_list(tokens)}" for name, tokens in completions.items())
+    text = T(f"{config}. At the end every request has finished, with completion tokens {done}.",
+             f"{config_zh}。最后所有请求都已完成，生成的 token：{done}。")
+    name_zh = NAMES_ZH.get(scenario["name"], scenario["name"])
+    title = T(f"{n}. Scenario {n}, {scenario['name']}", f"{n}. 场景 {n}：{name_zh}")
+    return Step(title, Table.of(f"scenario{n}", columns, rows), text)
+
+
+def _prefill_turns(reference, scenario: dict) -> list[tuple[int, str, int, int, int, bool]]:
+    """Every request a prefill step looked at, right after `schedule()`: (step, name, tokens, computed, scheduled,
+    first of its step). Computed is what it starts its turn with: its cached prefix, or its chunks so far. A
+    request the step allocated but could not fit has scheduled 0."""
+    scheduler = reference.Scheduler(scenario["num_blocks"], scenario["block_size"], scenario["max_num_seqs"],
+                                    scenario["max_num_batched_tokens"], scenario["eos_token_id"])
+    names, turns = {}, []
+    for step in scenario["steps"]:
+        for new in step.get("add", []):
+            names[id(scheduler.add(new["id"], new["prompt"], new["max_tokens"], new.get("ignore_eos", False)))] = \
+                new["name"]
+        batch, is_prefill = scheduler.schedule()
+        if is_prefill:
+            for i, r in enumerate(batch):
+                turns.append((step["step"], names[id(r)], len(r), r.num_computed_tokens, r.num_scheduled_tokens,
+                              i == 0))
+            head = scheduler.waiting[0] if scheduler.waiting else None
+            if head is not None and head.block_table and all(head is not r for r in batch):
+                turns.append((step["step"], names[id(head)], len(head), head.num_computed_tokens, 0, False))
+        scheduler.postprocess(batch, _sampled(step, len(batch)))
+    return turns
+
+
+def _costs_step(reference, toy: dict) -> Step:
+    """Scenario 1's prefill steps request by request: cost = tokens - computed, cut only for the first request."""
+    scenario = toy["scenarios"][0]
+    budget, rows, left, current = scenario["max_num_batched_tokens"], [], 0, None
+    for k, name, tokens, computed, scheduled, first in _prefill_turns(reference, scenario):
+        if k != current:
+            current, left = k, budget
+        cost = tokens - computed
+        worked = min(cost, left) if first else (cost if cost <= left else 0)  # the rule, worked by hand
+        if worked != scheduled:
+            raise ToyDrift(f"step {k}: {name} costs {cost} with {left} left, so the rule gives {worked}, but the "
+                           f"reference schedules {scheduled}: the adapter in book/toys/ no longer matches solutions/")
+        then = (T("whole: to running", "整段：进入 running") if scheduled == cost else
+                T("a chunk: stays first in waiting", "一个 chunk：留在 waiting 最前") if scheduled else
+                T("does not fit and is not first: the step ends", "放不下又不是第一个：这一步到此为止"))
+        rows.append([str(k), name, str(tokens), str(computed), f"{tokens} − {computed} = {cost}", str(left),
+                     str(scheduled), Cell.of(then, "text")])
+        left -= scheduled
+    table = Table.of("costs", [T("step", "步骤"), T("request", "请求"), T("tokens", "token 数"),
+                               T("computed at its turn", "轮到它时已计算"), T("cost", "代价"),
+                               T("budget left", "剩余预算"), "num_scheduled_tokens", T("then", "结果")], rows)
+    text = T(f"Scenario 1's prefill steps, request by request, with a budget of {budget}: a request costs its tokens "
+             "minus its computed ones (a cached prefix counts as computed). Only the first request of a step may be "
+             "cut to the budget left; a later one that does not fit ends the step, keeping the blocks it was given.",
+             f"场景 1 的各个 prefill 步，逐个请求看，预算为 {budget}：一个请求的代价是它的 token 数减去已计算的 token "
+             "数（缓存命中的前缀算作已计算）。只有一步中的第一个请求可以被截到剩余预算；后面的请求放不下时，这一步就"
+             "结束，它已分到的块仍归它。")
+    n = len(toy["scenarios"]) + 1
+    return Step(T(f"{n}. What each prefill request costs", f"{n}. 每个 prefill 请求的代价"), table, text)
+
+
+def walkthrough(reference, toy: dict) -> list[Step]:
+    return [*(_scenario_step(reference, n, s) for n, s in enumerate(toy["scenarios"], 1)), _costs_step(reference, toy)]
