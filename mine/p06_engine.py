@@ -27,6 +27,7 @@ Run `./check.sh p06` to check this file.
 import math
 from dataclasses import dataclass
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
@@ -68,7 +69,9 @@ class EngineConfig:
     `memory_fraction` of the memory free after loading the weights (and never more than
     `max_num_seqs` sequences of `max_model_len` tokens need). `max_num_batched_tokens` and
     `max_num_seqs` bound one step (p05). `eos_token_id` -1: no stop token. `cuda_graphs`: record
-    decode steps on a GPU (ignored on a CPU).
+    decode steps on a GPU (ignored on a CPU). `compile_layers`: on a GPU, fuse each layer's steps around
+    the attention (your norms, RoPE, MLP and residual adds) with `torch.compile`, as nano-vllm does; it
+    costs a compilation when the engine starts, so the checks leave it off and the benchmark turns it on.
     """
 
     block_size: int = 16
@@ -79,6 +82,7 @@ class EngineConfig:
     max_model_len: int = 4096
     eos_token_id: int = -1
     cuda_graphs: bool = True
+    compile_layers: bool = False
 
 
 def probabilities(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
@@ -126,7 +130,7 @@ class ModelRunner:
     """
 
     def __init__(self, model, num_blocks: int, block_size: int, max_num_seqs: int = 64,
-                 max_model_len: int = 4096, cuda_graphs: bool = True) -> None:
+                 max_model_len: int = 4096, cuda_graphs: bool = True, compile_layers: bool = False) -> None:
         self.model = model
         embed = model.embed_tokens
         first = model.layers[0]
@@ -135,6 +139,7 @@ class ModelRunner:
         self.v_caches = torch.zeros(shape, dtype=embed.dtype, device=embed.device)
         self.inv_freq = inverse_frequencies(model.head_dim, model.rope_theta).to(embed.device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.compile_layers = compile_layers and embed.device.type == "cuda"  # the reference's `_forward` reads it
         if cuda_graphs and embed.device.type == "cuda":
             self.capture_decode_graphs(max_num_seqs, -(-max_model_len // block_size))
 
@@ -198,7 +203,7 @@ class LLM:
         self.scheduler = Scheduler(num_blocks, config.block_size, config.max_num_seqs,
                                    config.max_num_batched_tokens, config.eos_token_id)
         self.runner = ModelRunner(model, num_blocks, config.block_size, config.max_num_seqs, config.max_model_len,
-                                  config.cuda_graphs)
+                                  config.cuda_graphs, getattr(config, "compile_layers", False))
         self.generator = torch.Generator(model.embed_tokens.device).manual_seed(0)
         self.stats = dict.fromkeys(("prefill_steps", "decode_steps", "chunked_prefills", "cached_tokens",
                                     "preemptions", "tokens_out"), 0)

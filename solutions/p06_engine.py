@@ -27,6 +27,7 @@ Run `./check.sh p06` to check this file.
 import math
 from dataclasses import dataclass
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
@@ -68,7 +69,9 @@ class EngineConfig:
     `memory_fraction` of the memory free after loading the weights (and never more than
     `max_num_seqs` sequences of `max_model_len` tokens need). `max_num_batched_tokens` and
     `max_num_seqs` bound one step (p05). `eos_token_id` -1: no stop token. `cuda_graphs`: record
-    decode steps on a GPU (ignored on a CPU).
+    decode steps on a GPU (ignored on a CPU). `compile_layers`: on a GPU, fuse each layer's steps around
+    the attention (your norms, RoPE, MLP and residual adds) with `torch.compile`, as nano-vllm does; it
+    costs a compilation when the engine starts, so the checks leave it off and the benchmark turns it on.
     """
 
     block_size: int = 16
@@ -79,6 +82,7 @@ class EngineConfig:
     max_model_len: int = 4096
     eos_token_id: int = -1
     cuda_graphs: bool = True
+    compile_layers: bool = False
 
 
 def probabilities(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
@@ -130,6 +134,32 @@ def sample(probs: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
     return (probs / noise).argmax(dim=-1)
 
 
+class _Mlp(NamedTuple):
+    gate_proj: torch.Tensor
+    up_proj: torch.Tensor
+    down_proj: torch.Tensor
+
+
+def _attention_inputs(hidden, input_norm, q_proj, k_proj, v_proj, q_norm, k_norm, cos, sin, eps: float, H: int,
+                      KVH: int, D: int):
+    """A layer up to the attention: the input norm, q/k/v, QK-norm per head and RoPE."""
+    T = hidden.shape[0]
+    normed = rms_norm(hidden, input_norm, eps)
+    q = rms_norm((normed @ q_proj.T).view(T, H, D), q_norm, eps)  # [T, H, D], each head over its D values
+    k = rms_norm((normed @ k_proj.T).view(T, KVH, D), k_norm, eps)  # [T, KVH, D]
+    v = (normed @ v_proj.T).view(T, KVH, D)
+    q, k = apply_rope(q, k, cos, sin)
+    return q, k, v
+
+
+def _layer_output(attended, hidden, o_proj, post_norm, mlp, eps: float):
+    """A layer after the attention: o_proj, the residual add and norm, the MLP and its residual add."""
+    T = hidden.shape[0]
+    projected = attended.reshape(T, -1) @ o_proj.T  # [T, H, D] -> [T, hidden]
+    normed, hidden = add_rms_norm(projected, hidden, post_norm, eps)
+    return hidden + mlp_forward(mlp, normed)
+
+
 class ModelRunner:
     """Qwen3 over a paged KV cache: one batched forward per step (write `prefill` and `decode`).
 
@@ -140,7 +170,7 @@ class ModelRunner:
     """
 
     def __init__(self, model, num_blocks: int, block_size: int, max_num_seqs: int = 64,
-                 max_model_len: int = 4096, cuda_graphs: bool = True) -> None:
+                 max_model_len: int = 4096, cuda_graphs: bool = True, compile_layers: bool = False) -> None:
         self.model = model
         embed = model.embed_tokens
         first = model.layers[0]
@@ -149,6 +179,7 @@ class ModelRunner:
         self.v_caches = torch.zeros(shape, dtype=embed.dtype, device=embed.device)
         self.inv_freq = inverse_frequencies(model.head_dim, model.rope_theta).to(embed.device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.compile_layers = compile_layers and embed.device.type == "cuda"  # the reference's `_forward` reads it
         if cuda_graphs and embed.device.type == "cuda":
             self.capture_decode_graphs(max_num_seqs, -(-max_model_len // block_size))
 
@@ -208,21 +239,24 @@ class ModelRunner:
         """The layers over T new tokens: `[T, hidden]`. `attend(layer_index, q, k, v)` runs the attention
         once the new keys and values are stored."""
         model = self.model
+        before, after = self._layer_steps()
         cos, sin = rope_cos_sin(positions, self.inv_freq, model.embed_tokens.dtype)  # [T, D] each
         hidden = model.embed_tokens[input_ids]  # [T, hidden]
         for index, layer in enumerate(model.layers):
-            T = hidden.shape[0]
-            H, KVH, D = layer.num_heads, layer.num_kv_heads, layer.head_dim
-            normed = rms_norm(hidden, layer.input_layernorm, layer.eps)
-            q = rms_norm((normed @ layer.q_proj.T).view(T, H, D), layer.q_norm, layer.eps)  # [T, H, D], per head
-            k = rms_norm((normed @ layer.k_proj.T).view(T, KVH, D), layer.k_norm, layer.eps)  # [T, KVH, D]
-            v = (normed @ layer.v_proj.T).view(T, KVH, D)
-            q, k = apply_rope(q, k, cos, sin)
+            q, k, v = before(hidden, layer.input_layernorm, layer.q_proj, layer.k_proj, layer.v_proj, layer.q_norm,
+                             layer.k_norm, cos, sin, layer.eps, layer.num_heads, layer.num_kv_heads, layer.head_dim)
             store_kvcache(k, v, self.k_caches[index], self.v_caches[index], slot_mapping)
-            attended = attend(index, q, k, v).reshape(T, H * D) @ layer.o_proj.T  # [T, H, D] -> [T, hidden]
-            normed, hidden = add_rms_norm(attended, hidden, layer.post_attention_layernorm, layer.eps)
-            hidden = hidden + mlp_forward(layer, normed)
+            hidden = after(attend(index, q, k, v), hidden, layer.o_proj, layer.post_attention_layernorm,
+                           _Mlp(layer.gate_proj, layer.up_proj, layer.down_proj), layer.eps)
         return hidden
+
+    def _layer_steps(self):
+        """The two halves of a layer around the attention, compiled once when `compile_layers` asks."""
+        if not self.compile_layers:
+            return _attention_inputs, _layer_output
+        if not hasattr(self, "_compiled"):
+            self._compiled = (torch.compile(_attention_inputs, dynamic=True), torch.compile(_layer_output, dynamic=True))
+        return self._compiled
 
     def _prefill_attention(self, index, q, k, v, meta):
         if meta.block_tables is None:  # nothing cached: the new tokens are all the keys
@@ -301,7 +335,7 @@ class LLM:
         self.scheduler = Scheduler(num_blocks, config.block_size, config.max_num_seqs,
                                    config.max_num_batched_tokens, config.eos_token_id)
         self.runner = ModelRunner(model, num_blocks, config.block_size, config.max_num_seqs, config.max_model_len,
-                                  config.cuda_graphs)
+                                  config.cuda_graphs, getattr(config, "compile_layers", False))
         self.generator = torch.Generator(model.embed_tokens.device).manual_seed(0)
         self.stats = dict.fromkeys(("prefill_steps", "decode_steps", "chunked_prefills", "cached_tokens",
                                     "preemptions", "tokens_out"), 0)

@@ -48,11 +48,23 @@ B_REQUESTS, B_MIN, B_MAX, B_TOKENS = 256, 100, 1024, 10000
 C_LENGTHS, C_NEW = (5, 37, 128, 300), 32
 
 
+LAYERS = {"compile_layers": False}  # --compile-layers
+
+
+def engine_config(engine, **limits):
+    """The engine's `EngineConfig` with these limits, and `compile_layers` as the command line asks."""
+    return engine.EngineConfig(**limits, **({"compile_layers": True} if LAYERS["compile_layers"] else {}))
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--impl", default="solutions", help="solutions (default), mine, or a folder")
     parser.add_argument("--only", choices=("a", "b", "c"), action="append", help="run only these parts")
+    parser.add_argument("--compile-layers", action="store_true",
+                        help="EngineConfig(compile_layers=True): each layer's steps around the attention fused by "
+                             "torch.compile (the engine's runs only; the first build compiles)")
     args = parser.parse_args()
+    LAYERS["compile_layers"] = args.compile_layers
     if not torch.cuda.is_available():
         print("engine benchmark: needs a CUDA GPU (torch.cuda.is_available() is False here); on a CPU, "
               "./check.sh p06 checks the engine in Triton's interpreter.")
@@ -344,7 +356,7 @@ def part_c(engine, w, hf) -> dict:
     greedy = engine.SamplingParams(temperature=0.0, max_tokens=C_NEW, ignore_eos=True)
     outputs = {}
     for graphs in (True, False):
-        llm = engine.LLM(w, engine.EngineConfig(max_num_seqs=len(prompts), max_model_len=512, cuda_graphs=graphs))
+        llm = engine.LLM(w, engine_config(engine, max_num_seqs=len(prompts), max_model_len=512, cuda_graphs=graphs))
         outputs[graphs] = llm.generate(prompts, greedy)
         del llm
         release()
@@ -416,7 +428,7 @@ def part_a(engine, w, hf, bandwidth: float) -> dict:
     greedy = engine.SamplingParams(temperature=0.0, max_tokens=A_NEW, ignore_eos=True)
     tokens = A_PROMPTS * A_NEW
 
-    llm = engine.LLM(w, engine.EngineConfig())
+    llm = engine.LLM(w, engine_config(engine))
     llm.generate(warmup[:8].tolist(), engine.SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))
     steps = DecodeSteps(llm)
     t_engine, out_engine = seconds(partial(llm.generate, prompts.tolist(), greedy))
@@ -436,7 +448,8 @@ def part_a(engine, w, hf, bandwidth: float) -> dict:
     header = f"{'':<40} | {'seconds':>8} | {'tokens/s':>9} | {'ms per decode step':>18}"
     print(header)
     print("-" * len(header))
-    print(f"{'engine, CUDA graphs, EngineConfig()':<40} | {t_engine:>8.2f} | {tokens / t_engine:>9.0f} | "
+    label = "engine, graphs, compiled layers" if LAYERS["compile_layers"] else "engine, CUDA graphs, EngineConfig()"
+    print(f"{label:<40} | {t_engine:>8.2f} | {tokens / t_engine:>9.0f} | "
           f"{floor['wall'] / floor['steps'] * 1e3:>18.2f}")
     print(f"{'HF generate (SDPA, dynamic cache, bf16)':<40} | {t_hf:>8.2f} | {tokens / t_hf:>9.0f} | "
           f"{t_hf / A_NEW * 1e3:>18.2f}")
@@ -469,7 +482,7 @@ def part_b(engine, w, bandwidth: float) -> dict:
           f"max_num_seqs {B_REQUESTS}, max_num_batched_tokens 16384, block_size 256")
     results = {}
     for graphs in (True, False):
-        config = engine.EngineConfig(block_size=256, max_num_batched_tokens=16384, max_num_seqs=B_REQUESTS,
+        config = engine_config(engine, block_size=256, max_num_batched_tokens=16384, max_num_seqs=B_REQUESTS,
                                      max_model_len=4096, cuda_graphs=graphs)
         t_start, llm = seconds(partial(engine.LLM, w, config))
         llm.generate([prompts[0][:B_MIN]] * 2, engine.SamplingParams(temperature=0.6, max_tokens=4, ignore_eos=True))
@@ -484,6 +497,7 @@ def part_b(engine, w, bandwidth: float) -> dict:
         del llm, outputs
         release()
         name = "CUDA graphs" if graphs else "eager (cuda_graphs=False)"
+        name += ", compiled layers" if LAYERS["compile_layers"] else ""
         print(f"  {name}: {tokens / elapsed:.0f} output tokens/s ({elapsed:.2f} s; engine built in {t_start:.1f} s); "
               f"{stats['prefill_steps']} prefill steps, {stats['decode_steps']} decode steps, "
               f"{stats['preemptions']} preemptions; prefills and the rest {elapsed - decode_wall:.2f} s")

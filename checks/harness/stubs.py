@@ -35,6 +35,8 @@ def make_stub(reference: str, stem: str) -> str:
             if node.name.startswith("_"):
                 continue
             parts.append(function_stub(node, lines, stem, node.name))
+        elif isinstance(node, ast.ClassDef) and node.name.startswith("_"):
+            continue  # a private helper class, like a private function
         elif isinstance(node, ast.ClassDef) and node.name not in GIVEN_CLASSES:
             parts.append(class_stub(node, lines, stem))
         elif isinstance(node, ast.Assign) and all(

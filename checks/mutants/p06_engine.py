@@ -68,8 +68,8 @@ MISTAKES = [
         "one-cache-for-all-layers",
         "every layer stores into and reads layer 0's cache",
         "Each layer has its own keys and values: layer l stores into and reads k_caches[l], v_caches[l].",
-        replace("        for index, layer in enumerate(model.layers):\n            T = hidden.shape[0]\n",
-                "        for layer in model.layers:\n            index, T = 0, hidden.shape[0]\n"),
+        replace("        for index, layer in enumerate(model.layers):\n            q, k, v = before(",
+                "        for layer in model.layers:\n            index = 0\n            q, k, v = before("),
     ),
     Mistake(
         "first-row-logits",

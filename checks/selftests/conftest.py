@@ -61,6 +61,14 @@ class Started:
 
 
 @pytest.fixture(scope="session")
+def stubs_folder(tmp_path_factory) -> Path:
+    folder = tmp_path_factory.mktemp("stubs")
+    for m in modules():
+        (folder / f"{m.stem}.py").write_text(shipped(f"mine/{m.stem}.py"))
+    return folder
+
+
+@pytest.fixture(scope="session")
 def both_runs(tmp_path_factory, stubs_folder) -> tuple[Started, Started]:
     """The two runs below, started together: they are independent, and a machine has two cores at least."""
     full = Started(tmp_path_factory.mktemp("full"), "--seed", str(SEEDS[0]), "--time-limit", "3",
