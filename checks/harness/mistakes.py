@@ -16,6 +16,8 @@ A replay makes the same objects (with the same arguments), calls the same functi
 compares results, tensors written into arguments, and the plain data of the objects involved.
 """
 
+import copy
+import hashlib
 import importlib
 import signal
 from collections.abc import Callable
@@ -149,24 +151,86 @@ def catalogue(stem: str) -> Catalogue:
 def identify(events: list, stem: str, tolerance_kind: str, time_limit: float) -> list[Mistake]:
     """The catalogued mistakes whose replay of `events` reproduces the learner's outputs."""
     found = []
+    key = _inputs_key(events)
+    if any(memo[0] != stem for memo in _REPLAYED):
+        _REPLAYED.clear()  # a run checks one module after another: keep only this one's replays
     for mistake in catalogue(stem).mistakes:
         try:
             module = catalogue(stem).implementation(mistake).load(stem)
         except Exception:  # noqa: BLE001 - a stale mutant must not hide the learner's result
             continue
-        if _replays_alike(events, module, tolerance_kind, time_limit):
+        if key is None:
+            alike = _replays_alike(events, module, tolerance_kind, time_limit)
+        else:  # the mutant's outputs depend on the calls' inputs alone: replay them once per run
+            memo = (stem, mistake.id, time_limit, key)
+            if memo not in _REPLAYED:
+                _REPLAYED[memo] = _replay(events, module, time_limit)
+            alike = _trace_alike(_REPLAYED[memo], events, tolerance_kind)
+        if alike:
             found.append(mistake)
     return found
 
 
-def _replays_alike(events: list, module, tolerance_kind: str, time_limit: float) -> bool:
-    made = {}
+# (module, mistake, time limit, the calls' inputs) -> what the mutant did with them. Every failing check
+# replays every mutant; the self-tests fail the same checks, on the same inputs, once per mutant.
+_REPLAYED: dict = {}
+
+
+class _Unkeyable(Exception):
+    pass
+
+
+def _inputs_key(events: list) -> tuple | None:
+    """The calls' inputs as a hashable value, or None when a replay depends on more than them (a call-back,
+    an object a method returned) and must compare as it goes."""
+    made: dict[int, int] = {}  # id(object the learner's classes made) -> its order of making
+    key = []
+    try:
+        for event in events:
+            if isinstance(event, Call) and event.returned:
+                return None
+            own = () if isinstance(event, New) else (
+                made[event.owner] if event.owner is not None else None, tuple(sorted(map(str, event.written))),
+                tuple(made[i] for i in event.states), tuple(made[i] for i in event.data))
+            key.append((type(event).__name__, event.name, _key(event.args, made), _key(event.kwargs, made), own))
+            if isinstance(event, New):
+                made[id(event.obj)] = len(made)
+    except (_Unkeyable, KeyError):
+        return None
+    return tuple(key)
+
+
+def _key(value, made: dict):
+    if isinstance(value, torch.Tensor):
+        flat = whole_storage(value.detach()).cpu()
+        digest = hashlib.blake2b(flat.view(torch.uint8).numpy().tobytes(), digest_size=16).hexdigest()
+        return ("T", str(value.dtype), tuple(value.shape), value.stride(), value.storage_offset(), str(value.device),
+                digest)
+    if isinstance(value, Remote):
+        return ("R", made[id(value)])
+    if value is None or type(value) in (bool, int, float, str, torch.dtype, torch.device):
+        return (type(value).__name__, repr(value))
+    if isinstance(value, (list, tuple)):
+        return (type(value).__name__, tuple(_key(v, made) for v in value))
+    if isinstance(value, dict):
+        return ("dict", tuple((repr(k), _key(v, made)) for k, v in value.items()))
+    if callable(value) or not hasattr(value, "__dict__"):
+        raise _Unkeyable(type(value).__name__)
+    return ("O", type(value).__qualname__, _key(vars(value), made))  # a dataclass of weights, a record
+
+
+def _replay(events: list, module, time_limit: float, compare=None) -> list:
+    """Run `events`' calls on `module`: per call, what the comparison needs (None where the mutant crashed,
+    and nothing after). `compare(event, result, made)`, when given, judges each result as it comes (it may
+    add the objects a result holds to `made`); a replay stops at the first result it rejects."""
+    made, trace = {}, []
     for event in events:
         try:
             args = tuple(_fresh(a, made) for a in event.args)
             kwargs = {k: _fresh(v, made) for k, v in event.kwargs.items()}
             if isinstance(event, New):
                 made[id(event.obj)] = getattr(module, event.name)(*args, **kwargs)
+                trace.append({})
                 continue
             assert isinstance(event, Call)
             if event.owner is None:
@@ -179,28 +243,53 @@ def _replays_alike(events: list, module, tolerance_kind: str, time_limit: float)
                       if not any(value is w for w in written.values())}
             result = run_with_time_limit(function, time_limit, *args, **kwargs)
         except BaseException:  # noqa: BLE001 - the mutant crashed where the learner did not
+            trace.append(None)
+            return trace
+        if compare is not None and not compare(event, result, made):
+            trace.append(None)
+            return trace
+        if not all(obj_id in made for obj_id in (*event.states, *event.data)):
+            trace.append(None)  # an object the replay never made or got back
+            return trace
+        trace.append({
+            "result": None if compare is not None else copy.deepcopy(result),
+            "unchanged": changed_input(before, names) is None,
+            "written": {key: whole_storage(w).clone() for key, w in written.items()},
+            "states": [leaves(made[obj_id]) for obj_id in event.states],
+            "data": [copy.deepcopy(plain(made[obj_id])) for obj_id in event.data],
+        })
+    return trace
+
+
+def _trace_alike(trace: list, events: list, tolerance_kind: str, results_compared: bool = False) -> bool:
+    if len(trace) != len(events) or any(t is None for t in trace):
+        return False
+    for event, done in zip(events, trace):
+        if isinstance(event, New):
+            continue
+        if not results_compared and not _alike(done["result"], event.result, tolerance_kind):
             return False
-        # objects a method returned (a list of requests) become the replay's too, for the calls that pass them on
-        if not _alike(result, event.result, tolerance_kind, event.returned, made):
-            return False
-        if (changed_input(before, names) is None) != (event.changed is None):
+        if done["unchanged"] != (event.changed is None):
             return False
         for key, after in event.written.items():
-            if not _alike(whole_storage(written[key]), whole_storage(after), tolerance_kind):
+            if not _alike(done["written"][key], whole_storage(after), tolerance_kind):
                 return False
-        if not all(obj_id in made for obj_id in (*event.states, *event.data)):
-            return False  # an object the replay never made or got back
-        for obj_id, state in event.states.items():
-            mine = leaves(made[obj_id])
-            if mine.keys() != state.keys():
+        for mine, state in zip(done["states"], event.states.values()):
+            if mine.keys() != state.keys() or not all(_alike(mine[p], state[p], tolerance_kind) for p in state):
                 return False
-            if not all(_alike(mine[path], state[path], tolerance_kind) for path in state):
-                return False
-        for obj_id, data in event.data.items():
-            mine = plain(made[obj_id])  # the mutant's attributes: what the contract documents
+        for mine, data in zip(done["data"], event.data.values()):  # the mutant's attributes: what the contract documents
             if any(key not in data or data[key] != value for key, value in mine.items()):
                 return False
     return True
+
+
+def _replays_alike(events: list, module, tolerance_kind: str, time_limit: float) -> bool:
+    """A replay that compares each result as it comes: objects a method returned (a list of requests)
+    become the replay's too, for the calls that pass them on."""
+    def compare(event, result, made):
+        return _alike(result, event.result, tolerance_kind, event.returned, made)
+
+    return _trace_alike(_replay(events, module, time_limit, compare), events, tolerance_kind, results_compared=True)
 
 
 _MISSING = object()
