@@ -12,15 +12,11 @@ from dataclasses import dataclass
 
 import pytest
 import torch
-from hypothesis import HealthCheck, Phase, Verbosity, given, settings
-from hypothesis import seed as hypothesis_seed
 from hypothesis import strategies as st
-from hypothesis.configuration import set_hypothesis_home_dir
-from hypothesis.errors import Flaky
 
 from checks.harness.compare import Mismatch
-from checks.harness.guard import LearnerError, NotStarted
-from checks.harness.loader import ROOT
+from checks.harness.guard import LearnerError
+from checks.harness.properties import explore
 from checks.harness.toys import load_toy
 
 pytestmark = pytest.mark.p01
@@ -50,7 +46,6 @@ POINTS = {
 }
 CONTRACTS = {}  # results are checked field by field below
 TOY = load_toy("p01_block_manager")
-set_hypothesis_home_dir(ROOT / ".kvlab" / "hypothesis")  # its cache goes with the kit's run state, not the cwd
 
 
 # ---- reading the learner's state --------------------------------------------------------------------
@@ -612,34 +607,8 @@ def play_operations(impl, ops, num_blocks: int, block_size: int) -> None:
 def test_random_operations_match_the_model(impl, seed, config):
     """random allocate / append / free sequences keep every invariant and match the dense model"""
     block_size, num_blocks = OPS_CONFIGS[config]
-    stopped: list[BaseException] = []  # not started, or hung: no use running more examples
-
-    @settings(max_examples=MAX_EXAMPLES, deadline=None, database=None, report_multiple_bugs=False,
-              verbosity=Verbosity.quiet, phases=[Phase.explicit, Phase.generate, Phase.shrink],
-              suppress_health_check=list(HealthCheck))
-    @hypothesis_seed(seed)
-    @given(ops=operations(block_size))
-    def run(ops):
-        if stopped:
-            return
-        impl.start_over()  # only the last example's calls are replayed to name a mistake
-        try:
-            play_operations(impl, ops, num_blocks, block_size)
-        except NotStarted as error:
-            stopped.append(error)
-        except LearnerError as error:
-            if "did not return within" in str(error) or "hung in an earlier check" in str(error):
-                stopped.append(error)
-            else:
-                raise
-
-    try:
-        run()
-    except Flaky:
-        raise Mismatch("the same operations gave different results on two runs: does your manager depend on "
-                       "anything besides its calls (a set's order, a random choice)?") from None
-    if stopped:
-        raise stopped[0]
+    explore(impl, seed, operations(block_size), lambda ops: play_operations(impl, ops, num_blocks, block_size),
+            MAX_EXAMPLES, "operations", "manager")
 
 
 # ---- metadata --------------------------------------------------------------------------------------------

@@ -17,15 +17,11 @@ contract, so a p01 that passes its checks is assumed here.
 from dataclasses import dataclass
 
 import pytest
-from hypothesis import HealthCheck, Phase, Verbosity, given, settings
-from hypothesis import seed as hypothesis_seed
 from hypothesis import strategies as st
-from hypothesis.configuration import set_hypothesis_home_dir
-from hypothesis.errors import Flaky
 
 from checks.harness.compare import Mismatch
-from checks.harness.guard import LearnerError, NotStarted, Remote
-from checks.harness.loader import ROOT
+from checks.harness.guard import LearnerError, Remote
+from checks.harness.properties import explore
 from checks.harness.toys import load_toy
 
 pytestmark = pytest.mark.p05
@@ -54,7 +50,6 @@ POINTS = {
 CONTRACTS = {}  # results are checked field by field below
 TOY = load_toy("p05_scheduler")
 WAITING, RUNNING, FINISHED = "waiting", "running", "finished"  # the statuses the given Request uses
-set_hypothesis_home_dir(ROOT / ".kvlab" / "hypothesis")  # its cache goes with the kit's run state, not the cwd
 
 
 def letter(request_id: int) -> str:
@@ -856,31 +851,5 @@ def play_stream(impl, config: tuple, stream) -> None:
 @pytest.mark.parametrize("config", STREAM_CONFIGS)
 def test_random_request_streams_match_the_model(impl, seed, config):
     """random request streams (arrivals, shared prefixes, preemption, chunks, eos) keep the rules and match the model"""
-    stopped: list[BaseException] = []  # not started, or hung: no use running more examples
-
-    @settings(max_examples=MAX_EXAMPLES, deadline=None, database=None, report_multiple_bugs=False,
-              verbosity=Verbosity.quiet, phases=[Phase.explicit, Phase.generate, Phase.shrink],
-              suppress_health_check=list(HealthCheck))
-    @hypothesis_seed(seed)
-    @given(stream=streams(STREAM_CONFIGS[config][4]))
-    def run(stream):
-        if stopped:
-            return
-        impl.start_over()  # only the last example's calls are replayed to name a mistake
-        try:
-            play_stream(impl, STREAM_CONFIGS[config], stream)
-        except NotStarted as error:
-            stopped.append(error)
-        except LearnerError as error:
-            if "did not return within" in str(error) or "hung in an earlier check" in str(error):
-                stopped.append(error)
-            else:
-                raise
-
-    try:
-        run()
-    except Flaky:
-        raise Mismatch("the same requests gave different results on two runs: does your scheduler depend on "
-                       "anything besides its calls (a set's order, a random choice)?") from None
-    if stopped:
-        raise stopped[0]
+    explore(impl, seed, streams(STREAM_CONFIGS[config][4]),
+            lambda stream: play_stream(impl, STREAM_CONFIGS[config], stream), MAX_EXAMPLES, "requests", "scheduler")

@@ -128,14 +128,16 @@ def engine(impl, run: Run) -> Run:
     llm = impl.LLM(on_device(run.w), run.config)
     outputs = llm.generate([list(p) for p in run.prompts], list(run.params))
     if not isinstance(outputs, list) or len(outputs) != len(run.prompts):
-        raise Mismatch(f"generate returned {type(outputs).__name__} of {len(outputs) if hasattr(outputs, '__len__') else '?'} "
+        count = len(outputs) if hasattr(outputs, "__len__") else "?"
+        raise Mismatch(f"generate returned {type(outputs).__name__} of {count} "
                        f"items, expected a list with one list of tokens per prompt ({len(run.prompts)})")
     for i, (out, p) in enumerate(zip(outputs, run.params)):
         if not isinstance(out, list) or not all(type(t) is int for t in out):
             raise Mismatch(f"outputs[{i}] is {type(out).__name__} {str(out)[:40]}, expected a list of ints")
         stopped = run.config.eos_token_id >= 0 and not p.ignore_eos and out and out[-1] == run.config.eos_token_id
         if len(out) > p.max_tokens or (len(out) < p.max_tokens and not stopped):
-            raise Mismatch(f"request {i} has {len(out)} tokens, expected {p.max_tokens} (max_tokens; no stop token met)")
+            raise Mismatch(f"request {i} has {len(out)} tokens, expected {p.max_tokens} "
+                           f"(max_tokens; no stop token met)")
     stats = llm.stats
     if not isinstance(stats, dict):
         raise Mismatch(f"LLM.stats is {type(stats).__name__}, expected the dict of counters __init__ sets up")
@@ -257,7 +259,8 @@ def expected_probabilities(logits, temperature, top_k, top_p) -> torch.Tensor:
             continue
         scaled = row / t
         if k > 0:
-            scaled = scaled.masked_fill(scaled < scaled.sort(descending=True).values[min(k, len(row)) - 1], float("-inf"))
+            kth = scaled.sort(descending=True).values[min(k, len(row)) - 1]
+            scaled = scaled.masked_fill(scaled < kth, float("-inf"))
         probs = scaled.softmax(0)
         ordered, order = probs.sort(descending=True)
         keep = torch.zeros_like(probs, dtype=torch.bool)

@@ -241,7 +241,8 @@ class LLM:
         if embed.device.type != "cuda":
             raise ValueError("on a CPU, give EngineConfig.num_blocks")
         first = model.layers[0]
-        block_bytes = 2 * len(model.layers) * config.block_size * first.num_kv_heads * model.head_dim * embed.element_size()
+        per_slot = first.num_kv_heads * model.head_dim * embed.element_size()  # one token's K (or V) in one layer
+        block_bytes = 2 * len(model.layers) * config.block_size * per_slot
         free, _ = torch.cuda.mem_get_info(embed.device)
         usable = int(free * config.memory_fraction) // block_bytes
         most = config.max_num_seqs * math.ceil(config.max_model_len / config.block_size)

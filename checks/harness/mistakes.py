@@ -277,7 +277,7 @@ def _trace_alike(trace: list, events: list, tolerance_kind: str, results_compare
         for mine, state in zip(done["states"], event.states.values()):
             if mine.keys() != state.keys() or not all(_alike(mine[p], state[p], tolerance_kind) for p in state):
                 return False
-        for mine, data in zip(done["data"], event.data.values()):  # the mutant's attributes: what the contract documents
+        for mine, data in zip(done["data"], event.data.values()):  # the mutant's attributes: the documented ones
             if any(key not in data or data[key] != value for key, value in mine.items()):
                 return False
     return True

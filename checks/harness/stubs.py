@@ -17,8 +17,9 @@ from pathlib import Path
 
 GIVEN_CLASSES = {"KVCache", "Sequence", "Block", "PrefillMetadata", "DecodeMetadata",  # classes a stub ships complete
                  "Qwen3Layer", "Qwen3Weights", "Request", "SamplingParams", "EngineConfig"}
+# methods of a learner's class that a stub ships complete
 GIVEN_METHODS = {"BlockManager.__init__", "Scheduler.__init__", "Scheduler.add", "Scheduler.is_finished",
-                 "ModelRunner.__init__", "LLM.__init__", "LLM._blocks_that_fit"}  # methods of a learner's class that a stub ships complete
+                 "ModelRunner.__init__", "LLM.__init__", "LLM._blocks_that_fit"}
 
 
 def make_stub(reference: str, stem: str) -> str:
