@@ -11,6 +11,7 @@ class Status:
     passed: int = 0
     checks: int = 0
     when: str = ""
+    functions: tuple = ()  # (name, kind, passed, checks) per learner function, as the checks called them
 
     @property
     def fraction(self) -> float:
@@ -34,8 +35,13 @@ def status_of(entry: dict | None) -> Status:
     except (KeyError, TypeError, ValueError):
         return Status("never")
     when = str(entry.get("when", ""))
+    functions = []
+    for name, counts in (entry.get("functions") or {}).items() if isinstance(entry.get("functions"), dict) else ():
+        inner = status_of({**counts, "when": when}) if isinstance(counts, dict) else Status("never")
+        if inner.kind != "never":
+            functions.append((str(name), inner.kind, inner.passed, inner.checks))
     if checks and passed == checks:
-        return Status("done", passed, checks, when)
+        return Status("done", passed, checks, when, tuple(functions))
     if not_started == checks:
-        return Status("not-started", passed, checks, when)
-    return Status("partial", passed, checks, when)
+        return Status("not-started", passed, checks, when, tuple(functions))
+    return Status("partial", passed, checks, when, tuple(functions))

@@ -3,7 +3,7 @@
     ./check.sh m02                      check mine/m02_thinker_attention.py
     ./check.sh m02 --impl solutions     check the reference (or --impl DIR: a student's folder)
     ./check.sh all --json results.json  check every module, write every result to a file
-    ./check.sh list                     modules, titles and the status of your last check
+    ./check.sh list                     modules, titles and the status of your last check, per function
     ./check.sh reset m02                back up mine/m02_... and put the stub back
     ./check.sh book                     build the book (a page per module, with your progress) in .kvlab/book/
     ./check.sh p03 --bench              on a GPU: time your kernel (p03, p04) or engine (p06) against the
@@ -202,11 +202,32 @@ def remember(results) -> None:
     state = json.loads(path.read_text()) if path.is_file() else {}
     for stem in {r.module for r in results}:
         rows = [r for r in results if r.module == stem]
-        state[stem] = {"when": time.strftime("%Y-%m-%d %H:%M"), "checks": len(rows),
-                       "passed": sum(r.status == "passed" for r in rows),
-                       "not_started": sum(r.status == "not started" for r in rows)}
+        state[stem] = {"when": time.strftime("%Y-%m-%d %H:%M"), **counts(rows), "functions": by_function(rows)}
     STATE.mkdir(exist_ok=True)
     path.write_text(json.dumps(state, indent=1))
+
+
+def counts(rows) -> dict:
+    return {"checks": len(rows), "passed": sum(r.status == "passed" for r in rows),
+            "not_started": sum(r.status == "not started" for r in rows)}
+
+
+def by_function(rows) -> dict:
+    """Per learner function (or `Class.method`): the counts of the checks that called it, in the order the
+    checks first called them. A check counts for every function it called, so a kernel's stub shows as not
+    started while its PyTorch half is done."""
+    names = list(dict.fromkeys(name for r in rows for name in r.calls))
+    return {name: counts([r for r in rows if name in r.calls]) for name in names}
+
+
+def function_marks(entry: dict) -> str:
+    """`store_kvcache_torch ✓  store_kvcache ·  flash_attn_varlen 3/8` (✓ all passed, · not started)."""
+    marks = []
+    for name, c in (entry.get("functions") or {}).items():
+        done, unstarted = c["passed"] == c["checks"], c["not_started"] == c["checks"]
+        mark = "✓" if done else "·" if unstarted else f"{c['passed']}/{c['checks']}"
+        marks.append(f"{name.rsplit('.', 1)[-1]} {mark}")
+    return "  ".join(marks)
 
 
 def forget(stem: str) -> None:
@@ -236,10 +257,12 @@ def list_modules(found) -> int:
 
     table = Table(title="KV Lab modules (your files are mine/<id>_….py)", title_justify="left", show_edge=False,
                   pad_edge=False)
-    for column in ("id", "title", "track", "min", "difficulty", "your status"):
-        table.add_column(column, no_wrap=column != "title")
+    for column in ("id", "title", "track", "min", "difficulty", "your status", "by function"):
+        table.add_column(column, no_wrap=column not in ("title", "by function"))
     for m in found:
-        table.add_row(m.id, m.title, m.track, str(m.minutes or ""), m.difficulty, status_text(state.get(m.stem)))
+        entry = state.get(m.stem)
+        table.add_row(m.id, m.title, m.track, str(m.minutes or ""), m.difficulty, status_text(entry),
+                      function_marks(entry) if entry else "")
     Console(highlight=False, width=None if sys.stdout.isatty() else 110).print(table)
     print("\nCheck one with ./check.sh <id>, e.g. ./check.sh m02")
     return 0

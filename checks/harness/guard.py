@@ -274,6 +274,7 @@ class Guarded:
         self.impl = run.impl
         self.path = self.impl.shown_path(stem)
         self.events: list[Call | New] = []
+        self.called: list[str] = []  # every learner function or method the check called, in order (progress)
         self.made: set[int] = set()
         self.watch: TensorWatch | None = None
         run.guarded = self
@@ -304,6 +305,8 @@ class Guarded:
     def call(self, name: str, target: "Remote | tuple[Remote, str]", args: tuple, kwargs: dict,
              owner: Remote | None = None,
              making: bool = False):
+        if name not in self.called:
+            self.called.append(name)
         if (self.impl.label, name) in _hung:
             raise LearnerError(f"not run: `{name}` hung in an earlier check (time limit {self.time_limit:g} s)")
         contract = self.contracts.get(name)

@@ -35,6 +35,7 @@ class Result:
     nodeid: str = ""
     function: str = ""  # the check's test function (what POINTS names)
     points: float = 0.0  # what the whole check is worth in `./check.sh grade`
+    calls: list[str] = field(default_factory=list)  # the learner's functions and methods it called (progress)
 
 
 def check_title(item) -> str:
@@ -75,6 +76,7 @@ class Reporter:
         result = Result(stem, check_title(item), case_id(item), impl, "passed", seed=case_seed(item),
                         seconds=round(call.duration, 3), verified_on=verified_on(item), nodeid=item.nodeid,
                         function=item.originalname, points=getattr(item.module, "POINTS", {}).get(item.originalname, 0))
+        result.calls = list(getattr(item.funcargs.get("impl"), "called", []))
         if report.skipped:
             result.status = "skipped"
             longrepr = report.longrepr

@@ -128,3 +128,27 @@ def test_bench_on_a_cpu_says_a_gpu_is_needed():
     assert code == 0, out
     assert out.strip().splitlines() == [out.strip()] and "needs a CUDA GPU" in out, out
     assert check_sh("m01", "--bench")[0] == 2  # no benchmark for it: a usage error
+
+
+def test_progress_is_kept_per_function():
+    """A module whose PyTorch half passes while its kernel is a stub shows both, in `list` and in the book."""
+    from book.progress import status_of
+    from checks.__main__ import by_function, counts, function_marks
+    from checks.harness.report import Result
+
+    def row(status, calls):
+        return Result("p02_store_kvcache", "a check", "", "mine", status, calls=calls)
+
+    rows = [row("passed", ["store_kvcache_torch"])] * 3 + [row("not started", ["store_kvcache"])] * 4 + [
+        row("failed", ["store_kvcache_torch", "store_kvcache"])]
+    entry = {"when": "now", **counts(rows), "functions": by_function(rows)}
+    assert entry["functions"] == {"store_kvcache_torch": {"checks": 4, "passed": 3, "not_started": 0},
+                                  "store_kvcache": {"checks": 5, "passed": 0, "not_started": 4}}
+    assert function_marks(entry) == "store_kvcache_torch 3/4  store_kvcache 0/5"
+    done = {"when": "now", **counts(rows[:3]), "functions": by_function(rows[:3])}
+    assert function_marks(done) == "store_kvcache_torch ✓"
+    status = status_of(entry)
+    assert status.kind == "partial" and status.functions == (("store_kvcache_torch", "partial", 3, 4),
+                                                             ("store_kvcache", "partial", 0, 5))
+    assert status_of({"when": "x", **counts(rows[3:7]), "functions": by_function(rows[3:7])}).functions == (
+        ("store_kvcache", "not-started", 0, 4),)
