@@ -6,6 +6,8 @@
     ./check.sh list                     modules, titles and the status of your last check, per function
     ./check.sh reset m02                back up mine/m02_... and put the stub back
     ./check.sh book                     build the book (a page per module, with your progress) in .kvlab/book/
+    ./check.sh m02 --watch              check m02 again each time you save a file in mine/
+    ./check.sh doctor                   what this machine has for the kit, and what to do about the rest
     ./check.sh p03 --bench              on a GPU: time your kernel (p03, p04) or engine (p06) against the
                                         reference and torch
     ./check.sh grade DIR [MODULE ...] --gradescope results.json --junit report.xml
@@ -55,6 +57,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--bench", action="store_true",
                         help="time the module (p03, p04, p06) on a GPU against the reference and torch, instead of "
                              "checking it")
+    parser.add_argument("--watch", action="store_true",
+                        help="stay running: check the module(s) again each time a file of your folder is saved")
     parser.add_argument("--out", metavar="DIR", help="with book: the folder to write the book to (default .kvlab/book)")
     args = parser.parse_args(argv)
 
@@ -67,6 +71,10 @@ def main(argv: list[str] | None = None) -> int:
 
     if args.target == ["list"]:
         return list_modules(registry.modules())
+    if args.target == ["doctor"]:
+        from checks.doctor import doctor
+
+        return doctor()
     if args.target[0] == "reset":
         return reset(args.target[1:], registry)
     if args.target[0] == "grade":
@@ -89,12 +97,60 @@ def main(argv: list[str] | None = None) -> int:
             module = registry.find(name)
             if module is None:
                 known = ", ".join(m.id for m in registry.modules())
-                print(f"./check.sh: no module {name!r} (known: {known}, all, list, book, reset)", file=sys.stderr)
+                print(f"./check.sh: no module {name!r} (known: {known}, all, list, book, reset, doctor)", file=sys.stderr)
                 return 2
             selected.append(module)
     if args.hint:
         return print_hints(selected, args.hint, args.lang)
+    if args.watch:
+        return watch(selected, args)
     return run(selected, args)
+
+
+def watch(selected, args) -> int:
+    """Check `selected` now and again after every save of a `.py` file in the checked folder, in this process:
+    torch, the checks and the workers' fork server stay loaded, and each run forks a fresh worker that
+    imports the saved files (learner code still never runs here)."""
+    import watchfiles
+
+    from checks.conftest import GROUPS
+    from checks.harness.loader import LoadError, display, named
+
+    label = (args.impl or ["mine"])[-1]
+    try:
+        if label in GROUPS or len(args.impl or []) > 1:
+            raise LoadError("--watch checks one folder: mine (the default) or --impl DIR")
+        folder = named(label).folder
+    except LoadError as error:
+        print(f"./check.sh: {error}", file=sys.stderr)
+        return 2
+    if args.seed is None:  # one seed for the whole session: a verdict changes only because the file did
+        import random
+
+        args.seed = random.randrange(10_000)
+    names = ", ".join(m.id for m in selected)
+    waiting = f"watching {display(folder)}/*.py: each save checks {names} again (Ctrl-C stops)"
+    run(selected, args, extra=["--keep-server"])
+    announced = False
+    try:  # an empty set every 200 ms: the first says the watcher is in place, so no save can slip by unseen
+        for changes in watchfiles.watch(folder, watch_filter=lambda change, path: path.endswith(".py"), debounce=300,
+                                        step=10, recursive=False, rust_timeout=200, yield_on_timeout=True):
+            if not changes:
+                if not announced:
+                    print(f"\n{waiting}", flush=True)
+                    announced = True
+                continue
+            started = time.perf_counter()
+            run(selected, args, extra=["--keep-server"])
+            print(f"\n{time.perf_counter() - started:.2f} s from the save to this verdict · {waiting}", flush=True)
+    except KeyboardInterrupt:
+        print()
+    finally:
+        from checks.conftest import KEPT
+
+        if "runs" in KEPT:
+            KEPT.pop("runs").close()  # the fork server and any worker end with the session
+    return 0
 
 
 def print_hints(selected, level: int, lang: str) -> int:

@@ -44,6 +44,13 @@ def pytest_addoption(parser):
                     help="run the worker inside bubblewrap, WRITABLE its one writable folder (./check.sh grade)")
     group.addoption("--quiet-worker", action="store_true", help="drop what learner code prints")
     group.addoption("--shown", default=None, help="how reports name the checked folder (./check.sh grade)")
+    group.addoption("--keep-server", action="store_true",
+                    help="keep the workers' fork server for the next run in this process (./check.sh --watch)")
+
+
+# `./check.sh m02 --watch` runs the checks again and again in one process: the fork server (torch imported,
+# ready to fork a fresh worker for each run) is kept from one run to the next.
+KEPT: dict = {}
 
 
 def pytest_configure(config):
@@ -57,21 +64,26 @@ def pytest_configure(config):
     args = " ".join(map(str, config.args))
     triton = "test_p" in args or not any("test_" in a for a in map(str, config.args))
     sandbox = config.getoption("--sandbox")
-    runs = Runs(triton=triton, cuda=torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1",
-                memory_limit=int(config.getoption("--memory-limit") * 2**30),
-                sandbox_writable=[Path(p) for p in sandbox] if sandbox else None,
-                quiet=config.getoption("--quiet-worker"))
-    if not all("selftests" in a for a in map(str, config.args)):  # the kit's self-tests check no module here
-        runs.start()
+    keep = config.getoption("--keep-server")
+    runs = KEPT.get("runs") if keep else None
+    if runs is None:
+        runs = Runs(triton=triton, cuda=torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1",
+                    memory_limit=int(config.getoption("--memory-limit") * 2**30),
+                    sandbox_writable=[Path(p) for p in sandbox] if sandbox else None,
+                    quiet=config.getoption("--quiet-worker"))
+        if not all("selftests" in a for a in map(str, config.args)):  # the kit's self-tests check no module here
+            runs.start()
+        if keep:
+            KEPT["runs"] = runs
     config.kvlab_runs = runs
-    config.pluginmanager.register(_CloseRuns(runs), "kvlab-workers")
+    config.pluginmanager.register(_CloseRuns(runs, keep), "kvlab-workers")
 
 
 class _CloseRuns:
     """Ends each module's workers when its checks are done, and the fork server with the session."""
 
-    def __init__(self, runs: Runs):
-        self.runs = runs
+    def __init__(self, runs: Runs, keep: bool = False):
+        self.runs, self.keep = runs, keep
 
     @pytest.hookimpl(trylast=True)
     def pytest_runtest_teardown(self, item, nextitem):
@@ -79,7 +91,10 @@ class _CloseRuns:
             self.runs.close_module(module_stem(item.module))
 
     def pytest_unconfigure(self, config):
-        self.runs.close()
+        if self.keep:
+            self.runs.close_runs()  # the next run forks new workers, which import the saved files
+        else:
+            self.runs.close()
 
 
 def implementations(config, stem: str) -> list[Implementation]:

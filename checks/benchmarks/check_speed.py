@@ -2,15 +2,20 @@
 
 Each command runs as a cold process, several times; the report prints medians and the difference.
 The target is a difference of about 1.5 s or less (the checks themselves, pytest and the report).
+Then `--watch`: the time from saving a file to the next verdict, for m01 and m02 (target: under 1 s).
 
     python -m checks.benchmarks.check_speed [--runs 7] [--module m02]
 """
 
 import argparse
+import os
+import shutil
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
+from pathlib import Path
 
 from checks.harness.loader import ROOT
 
@@ -42,6 +47,42 @@ def main() -> None:
     respawn = fresh_worker_seconds(args.runs * 4)
     print(f"{'a fresh worker (after a crash)':34} median {statistics.median(respawn) * 1000:5.1f} ms "
           f"(fork, import the module, first call; {len(respawn)} times)")
+    for module, stem in (("m01", "m01_rmsnorm"), ("m02", "m02_thinker_attention")):
+        waits = watch_seconds(module, stem, args.runs)
+        print(f"{f'--watch {module}: save to verdict':34} median {statistics.median(waits):5.2f} s  "
+              f"(min {min(waits):.2f}, max {max(waits):.2f}; {len(waits)} saves)")
+
+
+def watch_seconds(module: str, stem: str, saves: int) -> list[float]:
+    """`./check.sh MODULE --watch` on a copy of the reference: the wall time from writing the file to the
+    end of the verdict that follows, for each of `saves` saves."""
+    found = []
+    with tempfile.TemporaryDirectory(prefix="kvlab-watch-") as folder:
+        for path in (ROOT / "solutions").glob("*.py"):
+            shutil.copy2(path, folder)
+        target = Path(folder) / f"{stem}.py"
+        env = {**os.environ, "COLUMNS": "120"}
+        process = subprocess.Popen([sys.executable, "-m", "checks", module, "--watch", "--impl", folder], cwd=ROOT,
+                                   stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+        try:
+            wait_for(process, "watching")
+            for i in range(saves):
+                time.sleep(0.5)
+                start = time.perf_counter()
+                target.write_text(target.read_text() + f"# save {i}\n")
+                wait_for(process, "from the save to this verdict")
+                found.append(time.perf_counter() - start)
+        finally:
+            process.terminate()
+            process.wait()
+    return found
+
+
+def wait_for(process: subprocess.Popen, text: str) -> None:
+    for line in process.stdout:
+        if text in line:
+            return
+    raise RuntimeError(f"--watch ended before printing {text!r}")
 
 
 def fresh_worker_seconds(times: int) -> list[float]:

@@ -256,10 +256,14 @@ class Runs:
         for key in [k for k in self.runs if k[1] == stem]:
             self.runs.pop(key).close()
 
-    def close(self) -> None:
+    def close_runs(self) -> None:
+        """End every module's worker, keeping the fork server for another run."""
         for run in self.runs.values():
             run.close()
         self.runs.clear()
+
+    def close(self) -> None:
+        self.close_runs()
         self.server.stop()
 
 

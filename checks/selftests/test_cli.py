@@ -4,6 +4,7 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -152,3 +153,44 @@ def test_progress_is_kept_per_function():
                                                              ("store_kvcache", "partial", 0, 5))
     assert status_of({"when": "x", **counts(rows[3:7]), "functions": by_function(rows[3:7])}).functions == (
         ("store_kvcache", "not-started", 0, 4),)
+
+
+def test_watch_checks_again_after_a_save(tmp_path):
+    """`--watch` prints a verdict, then a fresh one after each save of a file in the checked folder."""
+    from checks.benchmarks.check_speed import wait_for
+
+    shutil.copy2(ROOT / "solutions" / "m01_rmsnorm.py", tmp_path)
+    process = subprocess.Popen([sys.executable, "-m", "checks", "m01", "--watch", "--impl", str(tmp_path)], cwd=ROOT,
+                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                               env={**os.environ, "COLUMNS": "120"})
+    try:
+        wait_for(process, "watching")
+        target = tmp_path / "m01_rmsnorm.py"
+        target.write_text(target.read_text().replace("torch.rsqrt(variance + eps)", "torch.rsqrt(variance + 2 * eps)"))
+        lines = []
+        for line in process.stdout:
+            lines.append(line)
+            if "from the save to this verdict" in line:
+                break
+        output = "".join(lines)
+        assert "failed" in output and "s from the save to this verdict" in output, output
+    finally:
+        process.terminate()  # as a learner's Ctrl-C or a closed terminal would
+        process.wait(timeout=10)
+    from checks.selftests.test_grader_attacks import worker_processes
+
+    deadline = time.time() + 5
+    while worker_processes() and time.time() < deadline:
+        time.sleep(0.1)
+    assert not worker_processes(), "--watch left its workers running"
+
+
+def test_doctor_lists_what_the_kit_uses():
+    """`./check.sh doctor` names every package and tool the kit uses, with what to do when one is missing."""
+    done = subprocess.run([sys.executable, "-m", "checks", "doctor"], cwd=ROOT, capture_output=True, text=True,
+                          env={**os.environ, "COLUMNS": "160"})
+    assert done.returncode == 0, done.stdout + done.stderr
+    for item in ("Python", "torch", "triton", "transformers", "watchfiles", "GPU", "flash-attn", "bubblewrap",
+                 "Chromium"):
+        assert item in done.stdout, item
+    assert "Everything the checks need is here." in done.stdout
