@@ -97,7 +97,8 @@ def main(argv: list[str] | None = None) -> int:
             module = registry.find(name)
             if module is None:
                 known = ", ".join(m.id for m in registry.modules())
-                print(f"./check.sh: no module {name!r} (known: {known}, all, list, book, reset, doctor)", file=sys.stderr)
+                print(f"./check.sh: no module {name!r} (known: {known}, all, list, book, reset, doctor)",
+                      file=sys.stderr)
                 return 2
             selected.append(module)
     if args.hint:
