@@ -39,6 +39,7 @@ from checks.harness.modules import modules
 HERE = Path(__file__).resolve().parent
 DEFAULT_OUT = ROOT / ".kvlab" / "book"
 RESULTS = ROOT / ".kvlab" / "results.json"
+HINTS_OPENED = ROOT / ".kvlab" / "hints.json"  # written by `./check.sh MODULE --hint`
 MARKER = ".kvlab-book"  # marks a folder the build may replace whole; any other non-empty folder is refused
 TRACK_ORDER = ("M", "P")
 HINTS = ("Hints L1", "Hints L2", "Hints L3")
@@ -58,6 +59,7 @@ class Entry:
     status: progress.Status
     toy: toys.ComputedToy | None = None
     contract: contracts.Contract | None = None
+    hints_opened: tuple = ()  # the hint levels the learner opened with ./check.sh --hint
 
     @property
     def id(self) -> str:
@@ -110,12 +112,14 @@ class Built:
 
 def collect(results: Path) -> list[Entry]:
     state = progress.read_results(results)
+    opened = progress.read_results(HINTS_OPENED)
     stems = sorted({m.stem for m in modules()} | set(pages.stems_with_pages(ROOT)))
     entries = []
     for stem in stems:
         sources = {lang: s for lang in pages.LANGUAGES if (s := pages.load(ROOT, stem, lang)) is not None}
         meta = sources["en"].meta if "en" in sources else {}
-        entry = Entry(stem, meta, sources, progress.status_of(state.get(stem)))
+        entry = Entry(stem, meta, sources, progress.status_of(state.get(stem)),
+                      hints_opened=tuple(n for n in opened.get(stem, []) if n in (1, 2, 3)))
         if entry.has_page:
             entry.toy = toys.compute(stem)
             entry.contract = contracts.contract(ROOT, stem)
@@ -197,6 +201,7 @@ def page_context(entry: Entry, lang: str, entries: list[Entry]) -> dict:
     return {
         "entry": entry, "source": source, "sections": sections, "blocks": blocks,
         "hints": [h for h in HINTS if h in sections], "toc": toc, "explain": explain,
+        "opened": entry.hints_opened,
         "track_title": TRACKS.get(entry.track, T(f"Track {entry.track}", f"Track {entry.track}")),
         "translated": source.lang == lang, "pitfall_ids": pitfall_ids, "depends": depends,
         "previous": listed[position - 1] if position > 0 else None,

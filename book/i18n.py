@@ -96,6 +96,7 @@ UI = {
     "depends": T("Builds on", "前置"),
     "status": T("Your last check", "你最近一次检查"),
     "by_function": T("By function", "按函数"),
+    "hint_opened": T("opened with --hint", "已用 --hint 打开"),
     "status_when": T("on {when}", "（{when}）"),
     "status_never_hint": T("run the check command to record one", "运行检查命令后这里会显示结果"),
     "progress": T("{done} of {total} modules done · {minutes_done} of {minutes} min",

@@ -29,6 +29,7 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 ROOT = Path(__file__).resolve().parents[1]
 STATE = ROOT / ".kvlab"  # the learner's last results (read by `list` and the book) and reset backups
+HINTS = STATE / "hints.json"  # the hint levels the learner opened in the terminal, per module (the book marks them)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -50,8 +51,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--junit", metavar="FILE", help="with grade: write JUnit XML to FILE")
     parser.add_argument("--no-sandbox", action="store_true",
                         help="with grade: run the submission without bubblewrap (every output says so)")
-    parser.add_argument("--hint", type=int, nargs="?", const=1, choices=(1, 2, 3), metavar="N",
-                        help="print the module's hints of level N (1: a nudge, 2: the pitfalls, 3: nearly the code)")
+    parser.add_argument("--hint", type=int, nargs="?", const=0, choices=(1, 2, 3), metavar="N",
+                        help="print the module's next unopened hint level, or level N (1: a nudge, 2: the pitfalls, "
+                             "3: nearly the code); the book marks the levels you opened")
     parser.add_argument("--lang", choices=("en", "zh"), default="en", help="with --hint: English or Chinese")
     parser.add_argument("--pytest", action="store_true", help="show pytest's own output as well (for kit developers)")
     parser.add_argument("--bench", action="store_true",
@@ -101,7 +103,7 @@ def main(argv: list[str] | None = None) -> int:
                       file=sys.stderr)
                 return 2
             selected.append(module)
-    if args.hint:
+    if args.hint is not None:
         return print_hints(selected, args.hint, args.lang)
     if args.watch:
         return watch(selected, args)
@@ -160,14 +162,22 @@ def print_hints(selected, level: int, lang: str) -> int:
     from rich.markdown import Markdown
 
     from book.pages import load
+    from book.progress import read_results
 
     console = Console(highlight=False, width=None if sys.stdout.isatty() else 110)
+    opened = read_results(HINTS)
+    asked = level
     for module in selected:
+        seen = [n for n in opened.get(module.stem, []) if n in (1, 2, 3)]
+        level = asked or next((n for n in (1, 2, 3) if n not in seen), 3)  # 0: the next level not opened yet
         page = load(ROOT, module.stem, lang) or load(ROOT, module.stem, "en")
         text = page.sections.get(f"Hints L{level}") if page else None
         if not text:
             print(f"./check.sh: {module.id} has no Hints L{level}", file=sys.stderr)
             return 2
+        opened[module.stem] = sorted(set(seen) | {level})  # kept first: a reader may close the pipe early
+        STATE.mkdir(exist_ok=True)
+        HINTS.write_text(json.dumps(opened, indent=1))  # the book marks the levels opened
         console.print(f"[bold]{module.id} · {module.title} · Hints L{level}[/]")
         console.print(Markdown(text))
         more = f"./check.sh {module.id} --hint {level + 1}" if level < 3 else "the Follow-ups on the page"

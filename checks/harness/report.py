@@ -195,7 +195,9 @@ def render(results: list[Result], seed: int, seconds: float, file=None) -> None:
                 mistake = catalogue(stem).mistake(mistake_id)
                 indented(f"[bold]{mistake_id}[/] — {escape(mistake.title)} [dim]({plural(n, 'check')})[/]", 2)
                 indented(escape(mistake.hint), 4)
-            indented(f"[dim]More: ./check.sh {name} --hint 2 (or exercises/{stem}.md › Pitfalls).[/]", 2)
+            first = max(matched, key=matched.get)
+            indented(f"[dim]More: ./check.sh {name} --hint 2 (or exercises/{stem}.md › Pitfalls); in the book "
+                     f"(./check.sh book): .kvlab/book/{stem}.html#pitfall-{first}[/]", 2)
         counts = {s: sum(r.status == s for r in rows) for s in WORST_FIRST}
         summary = " · ".join(f"{n} {s}" for s, n in counts.items() if n)
         console.print()

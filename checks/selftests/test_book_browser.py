@@ -152,3 +152,14 @@ def test_chinese_page_and_switch(browser, site, shots, capsys):
     assert browser.find_element(By.TAG_NAME, "html").get_attribute("lang") == "zh-Hans"
     assert browser.find_element(By.CSS_SELECTOR, "#hints h2").text == "三级提示"
     report(capsys, screenshot(browser, shots / "m02-zh.png", full_page=False))
+
+
+def test_chinese_page_of_a_track_p_module(browser, site, shots, capsys):
+    """A Track P page in Chinese: its computed toy and its code render with real CJK glyphs around them."""
+    viewport(browser, *DESKTOP)
+    browser.get((site / "zh" / "p04_paged_decode.html").as_uri())
+    assert browser.find_element(By.TAG_NAME, "html").get_attribute("lang") == "zh-Hans"
+    assert browser.find_element(By.CSS_SELECTOR, "#hints h2").text == "三级提示"
+    toy = browser.find_element(By.CSS_SELECTOR, "#toy")
+    assert toy.find_elements(By.TAG_NAME, "table"), "the computed toy shows no table"
+    report(capsys, screenshot(browser, shots / "p04-zh.png", full_page=False))

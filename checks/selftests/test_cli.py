@@ -194,3 +194,16 @@ def test_doctor_lists_what_the_kit_uses():
                  "Chromium"):
         assert item in done.stdout, item
     assert "Everything the checks need is here." in done.stdout
+
+
+def test_hint_opens_the_next_level_and_the_book_marks_it(kit_copy):
+    """`--hint` with no level prints the next level not opened yet; the book marks the opened ones."""
+    (kit_copy / ".kvlab" / "hints.json").unlink(missing_ok=True)
+    for level in (1, 2):
+        code, out = check_sh("m03", "--hint", kit=kit_copy)
+        assert code == 0 and f"Hints L{level}" in out, out
+    code, out = check_sh("book", kit=kit_copy)
+    assert code == 0, out
+    page = (kit_copy / ".kvlab" / "book" / "m03_rope.html").read_text()
+    assert 'class="hint level-1 opened"' in page and 'class="hint level-2 opened"' in page
+    assert 'class="hint level-3"' in page
