@@ -17,7 +17,7 @@ from .cases import case_id, case_seed, module_stem
 from .compare import Mismatch
 from .guard import LearnerError, NotStarted
 from .mistakes import catalogue, identify
-from .modules import find
+from .modules import find, modules
 
 
 @dataclass
@@ -206,8 +206,19 @@ def render(results: list[Result], seed: int, seconds: float, file=None) -> None:
             console.print(f"Nothing written yet: open {escape(path)}, read the docstring, and fill in the body. "
                           f"The exercise page is exercises/{stem}.md.")
         elif counts["passed"] == len(rows):
-            console.print("[green]All checks pass.[/]")
+            console.print(f"[green]All checks pass.[/] {next_step(stem)}")
     console.print(f"[dim]{seconds:.1f} s · replay this run exactly: add --seed {seed}[/]")
+
+
+def next_step(stem: str) -> str:
+    """The module after `stem` in the book's order (Track M, then Track P)."""
+    order = [m for m in modules() if m.id]
+    later = [m for i, m in enumerate(order) if i > 0 and order[i - 1].stem == stem]
+    if not later:
+        return "That was the last module."
+    from rich.markup import escape
+
+    return f"Next: ./check.sh {later[0].id} ({escape(later[0].title)})."
 
 
 def plural(n: int, noun: str) -> str:

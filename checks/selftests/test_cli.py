@@ -37,7 +37,7 @@ def test_first_command_on_untouched_stub(kit_copy):
 def test_reference_passes_through_check_sh():
     code, out = check_sh("m02", "--impl", "solutions")
     assert code == 0, out
-    assert "All checks pass" in out
+    assert "All checks pass" in out and "Next: ./check.sh m03" in out  # the next module in the book's order
 
 
 def test_list_shows_every_module():
