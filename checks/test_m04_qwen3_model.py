@@ -160,8 +160,11 @@ def expect_tokens(got: torch.Tensor, expected: torch.Tensor, what: str) -> None:
     if torch.equal(got, expected):
         return
     step = int((got != expected).nonzero()[0])
+    pattern = {0: " · the first token already differs: the prompt's logits are off (the logits checks say where)",
+               1: " · only the first token agrees: is each chosen token fed back as the next step's input, at the "
+                  "next position?"}.get(step, "")
     raise Mismatch(f"{what}: token {step} of {len(expected)} is {int(got[step])}, HF generate chose "
-                   f"{int(expected[step])} (first {step} tokens agree; HF: {expected[: step + 3].tolist()} …)")
+                   f"{int(expected[step])} (first {step} tokens agree; HF: {expected[: step + 3].tolist()} …){pattern}")
 
 
 def toy_model() -> ModelWeights:
