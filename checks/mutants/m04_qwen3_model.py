@@ -88,6 +88,17 @@ MISTAKES = [
         replace("logits = model_forward(model, new_tokens[-1][None], caches)",
                 "logits = model_forward(model, prompt_ids[-1:], caches)"),
     ),
+    Mistake(
+        "positions-per-layer",
+        "each layer's positions read from the first layer's cache, which layer 0 has already grown",
+        "Read past once, before any layer runs: every layer's new tokens sit at the same positions past .. past+T-1.",
+        replace("    for index, layer in enumerate(model.layers):\n",
+                "    for index, layer in enumerate(model.layers):\n"
+                "        if caches is not None:\n"
+                "            past = len(caches[0])\n"
+                "            cos, sin = rope_cos_sin(torch.arange(past, past + T),\n"
+                "                                    inverse_frequencies(model.head_dim, model.rope_theta), model.norm.dtype)\n"),
+    ),
 ]
 
 VARIANTS = [
