@@ -121,6 +121,9 @@ def test_every_exercise_renders_in_both_languages(built, stem):
                 assert pages.slug(name) in parsed.ids, f"{lang}: section {name} missing"
                 assert f">{SECTION_TITLES[name](lang)}</h2>" in html
         assert "contract" in parsed.ids and "computed-toy" in parsed.ids
+        for missing in (UI["no_adapter"], UI["toy_unavailable"]):  # every page's toy is computed at build time
+            words = missing(lang).split(":")[0]
+            assert words not in html, f"{lang}: the toy is not computed ({words})"
 
 
 def test_templates_are_strict_and_nothing_is_left_unrendered(built):
