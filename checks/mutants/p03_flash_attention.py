@@ -71,6 +71,12 @@ MISTAKES = [
         "With exp2 and a log2(e)-scaled score, m and log2(sum) are both in log2 units: lse = (m + log2(sum)) * ln(2).",
         replace("lse_row = (m_i + tl.log2(l_i)) * LN2", "lse_row = m_i + tl.log(l_i)"),
     ),
+    Mistake(
+        "no-scale",
+        "the kernel given log2(e) without the softmax scale",
+        "The scores are q . k * softmax_scale (D ** -0.5 by default); the kernel works in log2 units, so pass scale * log2(e).",
+        replace("q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, scale * LOG2E,", "q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, LOG2E,"),
+    ),
 ]
 
 VARIANTS = [
