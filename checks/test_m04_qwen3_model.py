@@ -13,12 +13,12 @@ import os
 import shutil
 from dataclasses import dataclass
 from functools import cache
-from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 import torch
 
+from checks.harness.cases import checkpoint_folder
 from checks.harness.compare import Mismatch, Tolerance, close_enough, expect_close, tolerance
 from checks.harness.guard import Returns
 from checks.harness.oracles import (
@@ -383,15 +383,6 @@ def test_loaded_model_matches_hf(impl, seed):
     loaded = impl.load_state_dict(hf_state_dict(case.w.clone()), hf_model_config(case.w).to_dict())
     logits = impl.model_forward(loaded, case.prompt.clone(), all_logits=True)
     expect_model_close(logits, case.logits, torch.float32, "logits of the loaded model")
-
-
-def checkpoint_folder(request, tmp_path: Path) -> Path:
-    """Where a check writes a checkpoint the worker can read: a temp folder, or under `grade`'s sandbox the
-    submission's temporary copy (the one folder the worker sees besides the system's)."""
-    writable = request.config.getoption("--sandbox")
-    folder = Path(writable[0]) / ".kvlab-checkpoint" if writable else tmp_path / "checkpoint"
-    folder.mkdir(parents=True, exist_ok=True)
-    return folder
 
 
 def test_load_pretrained_reads_a_sharded_bf16_checkpoint(impl, seed, request, tmp_path):

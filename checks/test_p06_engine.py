@@ -24,6 +24,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from checks.harness.cases import checkpoint_folder
 from checks.harness.compare import Mismatch, expect_close, tolerance
 from checks.harness.guard import Guarded, LearnerError, NotStarted, Returns
 from checks.harness.interpreter import DEVICE, verified_on  # noqa: F401 - verified_on: the report
@@ -35,7 +36,7 @@ pytestmark = pytest.mark.p06
 
 TOLERANCE_KIND = "sampler"
 # What `./check.sh grade` awards: a check's points, shared out over its cases (a module is worth the sum,
-# 36). An optional oracle's check (absent on most machines) is worth nothing.
+# 37). An optional oracle's check (absent on most machines) is worth nothing.
 POINTS = {
     "test_toy_probabilities": 2,
     "test_toy_sample": 1,
@@ -48,6 +49,7 @@ POINTS = {
     "test_stops_at_eos_unless_ignored": 3,
     "test_seeded_requests_do_not_depend_on_the_batch": 3,
     "test_first_token_follows_the_distribution": 4,
+    "test_engine_loads_a_local_checkpoint_folder": 1,
 }
 CONTRACTS = {
     "probabilities": lambda logits, temperature, top_k, top_p: Returns(
@@ -58,7 +60,7 @@ TOY = load_toy("p06_engine")
 # Checks whose failures are not replayed on the catalogue to name a mistake: each replay reruns a whole
 # engine per mutant, and every mistake these catch is also caught, and named, by a cheaper check.
 UNNAMED = {"test_preemption_keeps_the_tokens", "test_stops_at_eos_unless_ignored",
-           "test_first_token_follows_the_distribution"}
+           "test_first_token_follows_the_distribution", "test_engine_loads_a_local_checkpoint_folder"}
 # (V, hidden, I, L, H, KVH, D): head dims the kernels take (powers of two >= 16), H != KVH
 LAYOUTS = {
     "L2-H4-KVH2-D16": (96, 48, 80, 2, 4, 2, 16),
@@ -432,6 +434,33 @@ def test_seeded_requests_do_not_depend_on_the_batch(request, impl, seed):
                            f"one per token it keeps")
 
     with_blame(request, impl, scenario)
+
+
+def test_engine_loads_a_local_checkpoint_folder(request, impl, seed, tmp_path):
+    """LLM(folder) loads a local HF checkpoint (bf16, as m04's load_pretrained does) and gives the very tokens
+    of an engine built from the same weights"""
+    from transformers.utils import logging as hf_logging
+
+    if DEVICE.type != "cpu":
+        pytest.skip("load_pretrained puts the weights on the CPU: this check compares the two engines there")
+    layout = "L2-H2-KVH1-D16"
+    gen = torch.Generator().manual_seed(seed)
+    w = weights(seed, layout).to(torch.bfloat16)
+    prompts = random_prompts(gen, 64, (6, 9))
+    folder = checkpoint_folder(request, tmp_path)
+    try:
+        hf_logging.disable_progress_bar()
+        hf_causal_lm(w, torch.bfloat16).save_pretrained(folder, max_shard_size="20KB")
+        for path in folder.iterdir():
+            path.chmod(0o644)  # safetensors writes 0600; under `grade` the worker runs as another user
+        from_weights = engine(impl, Run(w, prompts, [Params()] * 2, Config()))
+        llm = impl.LLM(str(folder), Config())
+        outputs = llm.generate([list(p) for p in prompts], [Params()] * 2)
+        if outputs != from_weights.outputs:
+            raise Mismatch(f"LLM({folder.name!r}) gave {outputs}, the engine on the same weights "
+                           f"{from_weights.outputs}")
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
 
 
 # The chi-square test below fails a correct engine with probability FALSE_ALARM for a given seed; the

@@ -1,6 +1,7 @@
 """Names and seeds of check cases, shared by the fixtures (`conftest.py`) and the report."""
 
 import zlib
+from pathlib import Path
 
 
 def module_stem(module) -> str:
@@ -25,3 +26,12 @@ def case_id(item) -> str:
 def case_seed(item) -> int:
     name = f"{item.module.__name__}::{item.originalname}[{case_id(item)}]"
     return zlib.crc32(f"{item.config.kvlab_seed}:{name}".encode()) % 1_000_000
+
+
+def checkpoint_folder(request, tmp_path: Path) -> Path:
+    """Where a check writes a checkpoint the worker can read: a temp folder, or under `grade`'s sandbox the
+    submission's temporary copy (the one folder the worker sees besides the system's)."""
+    writable = request.config.getoption("--sandbox")
+    folder = Path(writable[0]) / ".kvlab-checkpoint" if writable else tmp_path / "checkpoint"
+    folder.mkdir(parents=True, exist_ok=True)
+    return folder
