@@ -5,6 +5,7 @@ import math
 
 import torch
 
+from book.toys.p04_paged_decode import paged_cache
 from checks.harness.compare import close_enough, tolerance
 from checks.harness.interpreter import DEVICE
 from checks.harness.loader import named
@@ -114,17 +115,7 @@ def test_p03_kernel_toy_agrees_with_the_reference_and_the_mutants():
 
 
 def paged_row(toy, module, num_splits):
-    D = toy["head_dim"]
-    k_cache = torch.full((toy["num_blocks"], toy["block_size"], 1, D), float("nan"))
-    v_cache = k_cache.clone()
-    for step in toy["walk"]:
-        k_cache[step["block"], step["offset"]] = 0.0
-        v_cache[step["block"], step["offset"]] = 0.0
-        k_cache[step["block"], step["offset"], 0, 0] = toy["key_scale"] * toy["scores"][step["key"]]
-        v_cache[step["block"], step["offset"], 0, 0] = toy["values"][step["key"]]
-    q = torch.zeros(1, 1, D)
-    q[0, 0, 0] = 1.0
-    q, k_cache, v_cache = (x.half().to(DEVICE) for x in (q, k_cache, v_cache))
+    q, k_cache, v_cache = paged_cache(toy, toy["walk"], device=DEVICE)  # the book's own toy cache
     table = torch.tensor(toy["block_table"], dtype=torch.int32, device=DEVICE)
     seqlens = torch.tensor(toy["cache_seqlens"], dtype=torch.int32, device=DEVICE)
     return module.paged_decode(q, k_cache, v_cache, table, seqlens, num_splits=num_splits)[0, 0, 0]
