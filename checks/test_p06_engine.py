@@ -322,12 +322,20 @@ def test_sample_is_the_exponential_race(impl, gen):
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_greedy_matches_hf(request, impl, seed, layout):
     """greedy tokens of a batch of prompts of different lengths are HF's"""
+    greedy_against_hf(request, impl, seed, layout, (3, 9, 14, 6), Params(), Config(), "greedy batch")
+
+
+def greedy_against_hf(request, impl, seed: int, layout: str, lengths, params: Params, config: Config, what: str,
+                      counter: tuple | None = None) -> None:
+    """Random prompts of `lengths`, greedy: HF's tokens, and `counter` = (stats name, test, what it should be)."""
     gen = torch.Generator().manual_seed(seed)
-    prompts = random_prompts(gen, LAYOUTS[layout][0], (3, 9, 14, 6))
-    run = Run(weights(seed, layout), prompts, [Params()] * 4, Config())
+    prompts = random_prompts(gen, LAYOUTS[layout][0], lengths)
+    run = Run(weights(seed, layout), prompts, [params] * len(lengths), config)
 
     def scenario(impl):
-        expect_greedy(engine(impl, run), seed, layout, "greedy batch")
+        expect_greedy(engine(impl, run), seed, layout, what)
+        if counter is not None:
+            expect_count(run, *counter)
 
     with_blame(request, impl, scenario)
 
@@ -361,34 +369,17 @@ def test_prefix_hits_are_served_and_counted(request, impl, seed):
 
 def test_preemption_keeps_the_tokens(request, impl, seed):
     """a cache too small for every request at once preempts and recomputes, and keeps HF's tokens"""
-    layout = "L2-H2-KVH1-D16"
-    gen = torch.Generator().manual_seed(seed)
-    prompts = random_prompts(gen, 64, (5, 6, 7))
     # each needs ceil((P + 10 - 1) / 4) = 4 blocks by its end; 8 blocks hold two
-    run = Run(weights(seed, layout), prompts, [Params(max_tokens=10)] * 3, Config(num_blocks=8))
-
-    def scenario(impl):
-        engine(impl, run)
-        expect_greedy(run, seed, layout, "with preemption")
-        expect_count(run, "preemptions", lambda n: n >= 1,
-                     "at least 1: three requests needing 4 blocks each share 8 blocks")
-
-    with_blame(request, impl, scenario)
+    greedy_against_hf(request, impl, seed, "L2-H2-KVH1-D16", (5, 6, 7), Params(max_tokens=10), Config(num_blocks=8),
+                      "with preemption", ("preemptions", lambda n: n >= 1,
+                                          "at least 1: three requests needing 4 blocks each share 8 blocks"))
 
 
 def test_chunked_prefill_keeps_the_tokens(request, impl, seed):
     """a token budget of 5 chunks the prompts, and the tokens stay HF's"""
-    layout = "L2-H4-KVH2-D16"
-    gen = torch.Generator().manual_seed(seed)
-    prompts = random_prompts(gen, 96, (13, 7, 4))
-    run = Run(weights(seed, layout), prompts, [Params(max_tokens=4)] * 3, Config(max_num_batched_tokens=5))
-
-    def scenario(impl):
-        engine(impl, run)
-        expect_greedy(run, seed, layout, "chunked prefill (budget 5)")
-        expect_count(run, "chunked_prefills", lambda n: n >= 2, "at least 2: a 13-token prompt under a budget of 5")
-
-    with_blame(request, impl, scenario)
+    greedy_against_hf(request, impl, seed, "L2-H4-KVH2-D16", (13, 7, 4), Params(max_tokens=4),
+                      Config(max_num_batched_tokens=5), "chunked prefill (budget 5)",
+                      ("chunked_prefills", lambda n: n >= 2, "at least 2: a 13-token prompt under a budget of 5"))
 
 
 def test_stops_at_eos_unless_ignored(request, impl, seed):
