@@ -25,6 +25,7 @@ Run `./check.sh p06` to check this file.
 """
 
 import math
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import NamedTuple
@@ -196,7 +197,12 @@ class LLM:
 
     def __init__(self, model, config=None) -> None:
         if isinstance(model, (str, Path)):
-            model = load_pretrained(model)  # a local folder: never downloads
+            model = load_pretrained(model)  # a local folder: never downloads; the tensors land on the CPU
+            if torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":  # compiled kernels: serve there
+                for holder in (model, *model.layers):
+                    for name, value in vars(holder).items():
+                        if isinstance(value, torch.Tensor):
+                            setattr(holder, name, value.cuda())
         self.config = config = config if config is not None else EngineConfig()
         self.model = model
         num_blocks = config.num_blocks or self._blocks_that_fit(model, config)
