@@ -61,6 +61,9 @@ def main(argv: list[str] | None = None) -> int:
                              "checking it")
     parser.add_argument("--watch", action="store_true",
                         help="stay running: check the module(s) again each time a file of your folder is saved")
+    parser.add_argument("--until-named", action="store_true",
+                        help="with --impl mutants: stop checking a mutant once a check rejects it by its name (the "
+                             "kit's self-tests use it to try the catalogue on more seeds)")
     parser.add_argument("--out", metavar="DIR", help="with book: the folder to write the book to (default .kvlab/book)")
     args = parser.parse_args(argv)
 
@@ -217,6 +220,8 @@ def run(selected, args, impls: list[str] | None = None, extra: list[str] = (), r
         pytest_args += ["--seed", str(args.seed)]
     if args.k:
         pytest_args += ["-k", args.k]
+    if args.until_named:
+        pytest_args += ["--until-named"]
     if not args.pytest:
         pytest_args += ["-p", "no:terminal", "-s"]  # -s: a learner's print() shows up while debugging
     reporter = reporter or Reporter(None, render=True)

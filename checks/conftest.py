@@ -44,6 +44,8 @@ def pytest_addoption(parser):
                     help="run the worker inside bubblewrap, WRITABLE its one writable folder (./check.sh grade)")
     group.addoption("--quiet-worker", action="store_true", help="drop what learner code prints")
     group.addoption("--shown", default=None, help="how reports name the checked folder (./check.sh grade)")
+    group.addoption("--until-named", action="store_true",
+                    help="skip a mutant's remaining checks once one rejects it by its own name")
     group.addoption("--keep-server", action="store_true",
                     help="keep the workers' fork server for the next run in this process (./check.sh --watch)")
 
@@ -120,10 +122,16 @@ def pytest_generate_tests(metafunc):
 def impl(request) -> Guarded:
     """The implementation under check: its code runs in a worker process, every call guarded (guard.py)."""
     stem, time_limit = module_stem(request.module), request.config.getoption("--time-limit")
+    if request.config.getoption("--until-named") and request.param.label in _reporter(request.config).named:
+        pytest.skip("already rejected by its name (--until-named)")
     run = request.config.kvlab_runs.run(request.param, stem, time_limit)
     guarded = Guarded(run, stem, request.module.CONTRACTS, time_limit)
     yield guarded
     run.end_check()
+
+
+def _reporter(config) -> Reporter:
+    return config.pluginmanager.get_plugin("kvlab-reporter")
 
 
 @pytest.fixture

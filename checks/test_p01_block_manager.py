@@ -34,6 +34,7 @@ POINTS = {
     "test_shared_prefix_and_last_block": 3,
     "test_hash_is_chained": 3,
     "test_freed_blocks_are_revived_and_reused_in_order": 3,
+    "test_taking_a_block_keeps_an_entry_that_points_at_another": 2,
     "test_token_ids_guard_against_collisions": 2,
     "test_a_miss_ends_the_hits_even_when_a_later_block_matches": 2,
     "test_can_allocate_at_a_block_boundary": 2,
@@ -471,6 +472,22 @@ def test_freed_blocks_are_revived_and_reused_in_order(impl):
     player.free(b)
     player.allocate([1, 2, 3, 4, 5, 6, 9])
     player.check()
+
+
+def test_taking_a_block_keeps_an_entry_that_points_at_another(impl):
+    """two blocks can hold the same content (a last block is computed even when it is cached); taking the
+    older one for new tokens leaves the cache entry, which points at the newer one"""
+    player = Player(impl, 4, 2)
+    a = player.allocate([1, 2, 3, 4])  # blocks 0 [1, 2] and 1 [3, 4]; the entry of [1, 2, 3, 4] is block 1
+    b = player.allocate([1, 2, 3, 4])  # 0 is a hit; the last block is computed in block 2, the entry's block now
+    player.free(a)  # block 1 is free, still holding [3, 4], but the cache points at block 2: free list [3, 1]
+    c = player.allocate([9, 9, 9])  # takes blocks 3 and 1: the entry of [1, 2, 3, 4] is block 2's, so it stays
+    player.check()
+    player.free(c)
+    player.free(b)  # free list [1, 3, 2, 0]
+    d = player.allocate([1, 2, 3, 4, 5])  # both full blocks are hits (0 and 2), then block 1
+    player.check()
+    player.expect_cached(d, 4)
 
 
 def weak_hash(token_ids, prefix_hash=-1) -> int:

@@ -54,6 +54,7 @@ class Reporter:
         self.render = render
         self.results: list[Result] = []
         self.collected: list = []
+        self.named: set[str] = set()  # labels of mutants a check has rejected by their own id
         self.started = time.perf_counter()
 
     def pytest_collection_finish(self, session):
@@ -66,6 +67,9 @@ class Reporter:
         if report.when == "call" or (report.when == "setup" and not report.passed):
             result = self.classify(item, call, report)
             self.results.append(result)
+            if result.status == "failed" and result.impl.startswith("mutant:") and \
+                    result.impl.rsplit(":", 1)[1] in result.mistakes:
+                self.named.add(result.impl)
             if self.render and result.status != "passed":
                 report.longrepr = result.reason  # keep pytest's own output short if it is shown at all
 

@@ -136,6 +136,12 @@ MISTAKES = [
             replace("self._seal(self.blocks[seq.block_table[j]], tokens, self.hash_block(tokens, prefix_hash))", "self._seal(self.blocks[seq.block_table[j]], tokens, self.hash_block(tokens, j))"),
         ),
     ),
+    Mistake(
+        "take-drops-any-entry",
+        "taking a free block deletes the cache entry of its hash even when the entry points at another block",
+        "Delete the entry only when hash_to_block_id[block.hash] is this block: a newer block with the same content may own it now.",
+        replace("        if self.hash_to_block_id.get(block.hash) == block_id:\n", "        if block.hash in self.hash_to_block_id:\n"),
+    ),
 ]
 
 VARIANTS = [

@@ -2,7 +2,7 @@
 
 This is what makes a verdict trustworthy: "passed" cannot come from a known mistake (each is a mutant
 of the reference that some check rejects, by name), and "failed" cannot come from a correct rounding
-order (each variant passes under two seeds).
+order (each variant passes under two seeds). Every mistake is rejected by its name on eight seeds.
 """
 
 import pytest
@@ -61,9 +61,9 @@ def test_untouched_stubs_report_not_started(full_run, stubs_folder):
 
 @pytest.mark.parametrize("stem, mistake", MISTAKES, ids=ids(MISTAKES))
 @pytest.mark.parametrize("seed", SEEDS)
-def test_mistake_is_rejected_and_named(full_run, second_seed_run, stem, mistake, seed):
-    run = full_run if seed == SEEDS[0] else second_seed_run
-    rows = run.of(label(stem, mistake), stem)
+def test_mistake_is_rejected_and_named(seed_runs, stem, mistake, seed):
+    """On every seed: a verdict on a known mistake must not depend on the seed it was drawn with."""
+    rows = seed_runs[seed].result().of(label(stem, mistake), stem)
     assert rows, f"the mutant {mistake.id} was not run"
     assert any(r["status"] == "failed" for r in rows), f"seed {seed}: no check rejects the mistake {mistake.id}"
     assert any(mistake.id in r["mistakes"] for r in rows), f"seed {seed}: {mistake.id} is rejected but never named"
@@ -71,7 +71,7 @@ def test_mistake_is_rejected_and_named(full_run, second_seed_run, stem, mistake,
 
 
 @pytest.mark.parametrize("stem, variant", VARIANTS, ids=ids(VARIANTS))
-@pytest.mark.parametrize("seed", SEEDS)
+@pytest.mark.parametrize("seed", SEEDS[:2])
 def test_variant_passes(full_run, second_seed_run, stem, variant, seed):
     run = full_run if seed == SEEDS[0] else second_seed_run
     rows = run.of(label(stem, variant), stem)
