@@ -178,13 +178,15 @@ class ParentCodec(wire.Codec):
 class ModuleRun:
     """One implementation's module in its worker, for a whole run (every check of the module)."""
 
-    def __init__(self, server: ForkServer, impl: Implementation, stem: str, time_limit: float):
+    def __init__(self, server: ForkServer, impl: Implementation, stem: str, time_limit: float,
+                 prelude: tuple | None = None):
         self.impl, self.stem, self.time_limit = impl, stem, time_limit
-        self.session = Session(server, impl.spec(stem), lambda session: ParentCodec(self), IMPORT_TIME_LIMIT)
+        self.session = Session(server, impl.spec(stem), lambda session: ParentCodec(self), IMPORT_TIME_LIMIT, prelude)
         self.remotes: dict[tuple[int, int], Remote] = {}
         self.callbacks: list = []  # the check's callables the worker holds, by number
         self.epoch = 0  # counts calls: an object's attributes read before the last call may be stale
         self.guarded: Guarded | None = None  # the check running now
+        self.rank_groups: dict = {}  # world size -> its `Ranks` (ranks.py), kept from one check to the next
 
     def remote(self, handle: int, class_name: str, kind: str) -> Remote:
         key = (self.session.generation, handle)
@@ -229,9 +231,14 @@ class ModuleRun:
         self.session.forget()
         self.remotes = {k: v for k, v in self.remotes.items() if v._kind != "object"}
         self.callbacks.clear()
+        for group in self.rank_groups.values():
+            group.end_check()
 
     def close(self) -> None:
         self.session.end()
+        for group in self.rank_groups.values():
+            group.close()
+        self.rank_groups.clear()
 
 
 class Runs:

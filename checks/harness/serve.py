@@ -187,7 +187,36 @@ class Worker:
                 self.reply("raised", f"the worker could not report the result ({type(error).__name__}: "
                                      f"{first_line(error)}): has your code replaced parts of torch or Python?")
 
+    def note(self, *message) -> None:
+        """A one-way message to the checks while a call runs (a collective entered or left)."""
+        self.reply("note", *message)
+
     # ---- requests ----
+    def do_distributed(self, backend: str, init_method: str, rank: int, world_size: int, timeout: float) -> None:
+        """Join a process group as `rank` (before the learner's module is imported), with every collective
+        of `torch.distributed` counted: each call notes its name as it enters and as it returns."""
+        import datetime
+
+        import torch.distributed as dist
+        import torch.distributed.distributed_c10d as c10d
+
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # the sandbox has a loopback device only
+        for name in COLLECTIVES:
+            original = getattr(dist, name, None)
+            if original is not None:
+                counted = _counted(self, name, original)
+                setattr(dist, name, counted)
+                if getattr(c10d, name, None) is original:
+                    setattr(c10d, name, counted)
+        try:
+            dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world_size,
+                                    timeout=datetime.timedelta(seconds=timeout))
+        except Exception as error:  # noqa: BLE001 - the checks say it in one line
+            self.reply("raised", f"rank {rank} could not join the process group ({type(error).__name__}: "
+                                 f"{first_line(error)})")
+            return
+        self.reply("value", None, None)
+
     def do_load(self, folder: str, shown: str, patch, label: str, stem: str) -> None:
         self.package, self.stem = Package(folder, shown, tuple(patch) if patch else None, label), stem
         try:
@@ -272,6 +301,23 @@ class Worker:
             self.reply("raised", f"{what} raised {self.package.describe(error, self.stem)}")
             return
         self.reply("value", value, owner)  # the owner again: its attributes as they are now
+
+
+COLLECTIVES = ("all_reduce", "gather", "all_gather", "all_gather_into_tensor", "broadcast", "reduce", "scatter",
+               "reduce_scatter", "reduce_scatter_tensor", "all_to_all", "all_to_all_single", "barrier", "send",
+               "recv", "isend", "irecv", "batch_isend_irecv", "all_gather_object", "broadcast_object_list")
+
+
+def _counted(worker: Worker, name: str, original):
+    def collective(*args, **kwargs):
+        worker.note("collective", name, "enter")
+        result = original(*args, **kwargs)
+        worker.note("collective", name, "done")
+        return result
+
+    collective.__name__ = collective.__qualname__ = name
+    collective.__doc__, collective.__wrapped__ = original.__doc__, original
+    return collective
 
 
 def LargestTensor():

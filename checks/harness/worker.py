@@ -23,6 +23,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -145,6 +146,7 @@ class ForkServer:
         self.process: subprocess.Popen | None = None
         self.control: socket.socket | None = None
         self.ready = False
+        self.lock = threading.RLock()  # ranks ask from threads of their own: one request at a time
 
     @property
     def sandboxed(self) -> bool:
@@ -165,6 +167,10 @@ class ForkServer:
         self.control, self.ready = ours, False
 
     def _ask(self, message, fds=(), timeout: float = 30.0):
+        with self.lock:
+            return self._ask_now(message, fds, timeout)
+
+    def _ask_now(self, message, fds, timeout: float):
         if self.process is None or self.process.poll() is not None:
             self.start()
         if not self.ready:
@@ -194,11 +200,12 @@ class ForkServer:
 
     def spawn(self) -> tuple[int, socket.socket]:
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
-        try:
-            reply = self._ask(("spawn",), [theirs.fileno()])
-        except WorkerGone:  # one restart: a learner's worker may have killed the server (it is its parent)
-            self.stop()
-            reply = self._ask(("spawn",), [theirs.fileno()])
+        with self.lock:
+            try:
+                reply = self._ask(("spawn",), [theirs.fileno()])
+            except WorkerGone:  # one restart: a learner's worker may have killed the server (it is its parent)
+                self.stop()
+                reply = self._ask(("spawn",), [theirs.fileno()])
         theirs.close()
         return reply[1], ours
 
@@ -247,18 +254,25 @@ class Session:
     `codec_for(session)` makes the parent-side codec (handles become proxies, callbacks are served);
     see `guard.py`. Handles carry the worker's generation: after a restart, an old handle is refused."""
 
-    def __init__(self, server: ForkServer, spec: tuple, codec_for, import_limit: float):
+    def __init__(self, server: ForkServer, spec: tuple, codec_for, import_limit: float, prelude: tuple | None = None):
         self.server, self.spec, self.codec_for, self.import_limit = server, spec, codec_for, import_limit
+        self.prelude = prelude  # a request a new worker answers before it imports the module (joining ranks)
         self.pid: int | None = None
         self.sock: socket.socket | None = None
         self.generation = 0
         self.loaded = None  # ("loaded", names) or ("load-error", reason) of the current worker
+        self.notes: list[tuple] = []  # what the worker noted while calls ran (collectives), oldest first
 
     def ensure(self):
         """A live worker with the module imported; returns the load reply."""
         if self.sock is None:
             self.pid, self.sock = self.server.spawn()
             self.generation = next(_generations)
+            if self.prelude is not None:
+                joined = self._exchange(self.prelude, self.import_limit, "joining the other ranks")
+                if joined[0] != "value":
+                    self.loaded = ("load-error", joined[1])
+                    return self.loaded
             self.loaded = self._exchange(("load", *self.spec), self.import_limit, "importing it")
         return self.loaded
 
@@ -280,6 +294,9 @@ class Session:
                 reply = self.codec_for(self).decode(tree, storages)
                 if type(reply) is not tuple or not reply or type(reply[0]) is not str:
                     raise wire.WireError("a reply that is not a message")
+                if reply[0] == "note":
+                    self.notes.append(reply[1:])
+                    continue
                 if reply[0] != "callback":
                     return reply
                 wire.send(self.sock, self._serve_callback(reply, callbacks))

@@ -1,0 +1,204 @@
+"""Ranks: one implementation's module in `world_size` workers joined in a real process group.
+
+Tensor parallelism runs one process per rank, each with the same code and its own shard of the weights,
+meeting in collectives (`all_reduce`, `gather`, ...). A check does the same: `Ranks(impl, 2)` forks two
+workers from the same fork server (inside the same limits and sandbox as every other check), each joins
+a gloo process group as its rank before it imports the module, and `ranks.call(name, args_per_rank)`
+calls the function on every rank at once and returns the results in rank order.
+
+Every collective a rank makes is counted (the worker notes each one as it enters and leaves):
+`ranks.collectives[r]` lists rank r's in the last call. A rank that raises ends every rank, and the
+check gets one line naming it; when the ranks overrun the time limit, the line names the rank that was
+still running its own code while the others waited in a collective (or, if all wait, where each waits).
+A call on every rank is recorded for the mistakes' replays as one `RankCall`, which `mistakes.py` plays
+with threads standing in for the ranks (`simdist.py`).
+"""
+
+import socket
+from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
+from dataclasses import dataclass
+
+from .guard import Call, Guarded, LearnerError, ModuleRun, NotStarted, _hung
+
+JOIN_TIMEOUT = 60.0  # seconds a rank's collectives may wait for the others before gloo gives up
+GRACE = 1.0  # seconds the other ranks get to finish after one fails, before they are ended
+
+
+@dataclass
+class RankCall(Call):
+    """One function called on every rank: `args[r]` and `result[r]` are rank r's."""
+
+    world_size: int = 1
+
+
+def ordinal(n: int) -> str:
+    return f"{n}{'th' if 10 <= n % 100 <= 20 else {1: 'st', 2: 'nd', 3: 'rd'}.get(n % 10, 'th')}"
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+class Ranks:
+    """`world_size` ranks of the implementation `guarded` checks; a context manager that ends them."""
+
+    def __init__(self, guarded: Guarded, world_size: int, backend: str = "gloo"):
+        self.guarded, self.world_size = guarded, world_size
+        base = guarded.run
+        init = f"tcp://127.0.0.1:{free_port()}"
+        timeout = max(JOIN_TIMEOUT, 6 * base.time_limit)
+        self.runs = [ModuleRun(base.session.server, base.impl, base.stem, base.time_limit,
+                               ("distributed", backend, init, rank, world_size, timeout))
+                     for rank in range(world_size)]
+        self.guards = [Guarded(run, base.stem, guarded.contracts, base.time_limit) for run in self.runs]
+        self.collectives: list[list[str]] = [[] for _ in range(world_size)]
+        self.broken: str | None = None
+        self.started = False
+        self.pool = ThreadPoolExecutor(max_workers=world_size)
+
+    def __enter__(self) -> "Ranks":
+        self.start()
+        return self
+
+    def start(self) -> None:
+        """Every rank's worker forked and joined (once; a call starts them when nobody did)."""
+        if not self.started:
+            self.started = True
+            self._on_every_rank([guard.run.names for guard in self.guards], "joining the process group")
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def end_check(self) -> None:
+        for run in self.runs:
+            run.end_check()
+
+    def close(self) -> None:
+        self.close_workers()
+        self.pool.shutdown(wait=True)
+
+    def close_workers(self) -> None:
+        for run in self.runs:
+            run.close()
+
+    def call(self, name: str, args_per_rank: list[tuple]) -> list:
+        """`name(*args_per_rank[r])` on every rank r at once: the results, in rank order."""
+        if len(args_per_rank) != self.world_size:
+            raise ValueError(f"{len(args_per_rank)} argument tuples for {self.world_size} ranks")
+        if (self.guarded.impl.label, name) in _hung:  # as Guarded.call says it, without starting the ranks
+            raise LearnerError(f"not run: `{name}` hung in an earlier check (time limit {self.guarded.time_limit:g} s)")
+        self.start()
+        for guard in self.guards:
+            guard.events.clear()
+        jobs = [lambda guard=guard, args=args: getattr(guard, name)(*args)
+                for guard, args in zip(self.guards, args_per_rank)]
+        return self._on_every_rank(jobs, f"`{name}`", name)
+
+    def make_on(self, rank: int, class_name: str, *args):
+        """An object of the module's class `class_name`, made on rank `rank` (it lives there, as a handle)."""
+        if self.broken is not None:
+            raise LearnerError(f"not run: {self.broken}")
+        self.start()
+        return getattr(self.guards[rank], class_name)(*args)
+
+    # ---- running on every rank ----
+
+    def _on_every_rank(self, jobs: list, what: str, name: str | None = None) -> list:
+        if self.broken is not None:
+            raise LearnerError(f"not run: {self.broken}")
+        for run in self.runs:
+            run.session.notes.clear()
+        futures = [self.pool.submit(job) for job in jobs]
+        done, pending = wait(futures, return_when=FIRST_EXCEPTION)
+        if pending:  # a rank failed: the others may be about to fail too, or be waiting for it in a collective
+            done, pending = wait(futures, timeout=GRACE)
+        first_failed = next((f for f in futures if f.done() and f.exception() is not None), None)
+        stopped = set()  # the ranks ended here because another one failed
+        if first_failed is not None and pending and "did not return within" not in str(first_failed.exception()):
+            for rank, (future, run) in enumerate(zip(futures, self.runs)):  # the others would wait forever
+                if not future.done() and run.session.pid is not None:
+                    stopped.add(rank)
+                    run.session.server.kill(run.session.pid)
+        wait(futures)
+        self.collectives = [[n[1] for n in run.session.notes if n[:1] == ("collective",) and n[2] == "enter"]
+                            for run in self.runs]
+        errors = [f.exception() for f in futures]
+        if name is not None:
+            self._record(name)
+        if stopped:  # a rank that was ended cannot rejoin this group: the next call starts a new one
+            self.broken = "an earlier call on these ranks failed"
+            self.close_workers()
+        if all(e is None for e in errors):
+            return [f.result() for f in futures]
+        for error in errors:
+            if isinstance(error, NotStarted):
+                raise error
+        first = next(e for r, e in enumerate(errors) if e is not None and r not in stopped)
+        # Importing the file is the same on every rank: its failure is said once, as for any other module.
+        reason = str(first) if name is None and "could not join" not in str(first) else \
+            self._reason(errors, what, stopped)
+        identifiable = all(e is None or getattr(e, "identifiable", False) for e in errors)
+        if not identifiable:
+            self.broken = "an earlier call on these ranks failed"
+            self.close_workers()
+        raise LearnerError(reason, identifiable=identifiable)
+
+    def _record(self, name: str) -> None:
+        """Every rank's call, as one event of the check's own guard (mistakes are named from it)."""
+        calls = [guard.events[-1] if guard.events else None for guard in self.guards]
+        if any(not isinstance(c, Call) or c.name != name for c in calls):
+            return
+        self.guarded.events.append(RankCall(name, tuple(c.args for c in calls), {}, [c.result for c in calls], {},
+                                            next((c.changed for c in calls if c.changed), None),
+                                            world_size=self.world_size))
+        if name not in self.guarded.called:
+            self.guarded.called.append(name)
+
+    def _reason(self, errors: list, what: str, stopped: set) -> str:
+        """One line: which rank failed, and how."""
+        overran = [r for r, e in enumerate(errors) if e is not None and "did not return within" in str(e)]
+        if overran:
+            waiting = {r: self._waiting_in(r) for r in range(self.world_size)}
+            running = [r for r in overran if waiting[r] is None]
+            if running:
+                others = [f"rank {r} in {waiting[r]}" for r in range(self.world_size) if waiting[r]]
+                tail = f" while {', '.join(others)} waited for it" if others else ""
+                return f"rank {running[0]}: {errors[running[0]]}{tail}"
+            where = ", ".join(f"rank {r} in {waiting[r]}" for r in range(self.world_size))
+            return (f"{what} did not return on any rank: each waits in a collective ({where}); every rank must "
+                    f"make the same collectives in the same order")
+        failed = [r for r, e in enumerate(errors) if e is not None and r not in stopped]
+        rank = failed[0]
+        others = sorted(stopped)
+        ranks = f"rank{'s' if len(others) > 1 else ''} {', '.join(map(str, others))}"
+        tail = f" ({ranks} stopped with it)" if others else ""
+        return f"rank {rank}: {errors[rank]}{tail}"
+
+    def _waiting_in(self, rank: int) -> str | None:
+        """The collective rank `rank` entered last and never left, in words ("its 2nd all_reduce")."""
+        entered: dict[str, int] = {}
+        open_one = None
+        for note in self.runs[rank].session.notes:
+            if note[:1] != ("collective",):
+                continue
+            if note[2] == "enter":
+                entered[note[1]] = entered.get(note[1], 0) + 1
+                open_one = f"its {ordinal(entered[note[1]])} {note[1]}"
+            else:
+                open_one = None
+        return open_one
+
+
+def ranks(guarded: Guarded, world_size: int) -> Ranks:
+    """The implementation's `world_size` ranks: started by the first call a check makes on them, kept for the
+    next checks (a group a failure ended is started again), ended with the module's run."""
+    groups = guarded.run.rank_groups
+    group = groups.get(world_size)
+    if group is None or group.broken is not None:
+        if group is not None:
+            group.close()
+        group = groups[world_size] = Ranks(guarded, world_size)
+    group.guarded = guarded  # this check's guard: its events name the mistakes
+    return group

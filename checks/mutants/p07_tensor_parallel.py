@@ -1,0 +1,115 @@
+"""Known mistakes in P07 (tensor parallelism), each a patch of `solutions/p07_tensor_parallel.py`.
+
+Ids match the Pitfalls section of `exercises/p07_tensor_parallel.md`.
+"""
+
+from checks.harness.mistakes import Broken, Mistake, Variant, everyday_breakage, replace
+
+MISTAKES = [
+    Mistake(
+        "qkv-contiguous-slice",
+        "the fused qkv sliced as one block of rows, not part by part",
+        "Shard q, k and v each on its own and stack the rank's blocks: a contiguous slice of the fused matrix gives rank 0 all the q heads and rank 1 the k and v ones.",
+        replace("qkv_proj=merged_column_shard(qkv, [H * D, KVH * D, KVH * D], rank, world_size)", "qkv_proj=column_shard(qkv, rank, world_size)"),
+    ),
+    Mistake(
+        "gate-up-contiguous-slice",
+        "the fused gate/up sliced as one block of rows",
+        "gate and up are two parts: each rank needs its gate rows and the matching up rows, stacked; a contiguous slice gives rank 0 only gate and rank 1 only up.",
+        replace("gate_up_proj=merged_column_shard(gate_up, [I, I], rank, world_size)", "gate_up_proj=column_shard(gate_up, rank, world_size)"),
+    ),
+    Mistake(
+        "heads-not-divided",
+        "the shard keeps the model's head counts instead of the rank's",
+        "A rank runs H / tp query heads and KVH / tp kv heads: set num_heads and num_kv_heads to the rank's share, or the attention splits its q/k/v wrongly.",
+        replace("num_heads=H // world_size, num_kv_heads=KVH // world_size", "num_heads=H, num_kv_heads=KVH"),
+    ),
+    Mistake(
+        "kvh-not-checked",
+        "only the query heads are checked to divide by the world size",
+        "Check KVH % tp too: with 2 kv heads on 4 ranks a rank would get half a head (its k rows cut through one), which no attention can use.",
+        replace("if H % world_size or KVH % world_size:", "if H % world_size:"),
+    ),
+    Mistake(
+        "o-proj-by-rows",
+        "o_proj sharded by rows (column-parallel) instead of by columns",
+        "o_proj reads the heads: rank r needs the columns of its heads (row_shard), so its product is a partial sum of the whole hidden state.",
+        replace("o_proj=row_shard(layer.o_proj, rank, world_size)", "o_proj=column_shard(layer.o_proj, rank, world_size)"),
+    ),
+    Mistake(
+        "all-reduce-after-column",
+        "an all_reduce after the column-parallel gate/up projection",
+        "A column-parallel output needs no communication: each rank holds different features. Summing them mixes one rank's features into another's.",
+        replace("    gate, up = gate_up.chunk(2, dim=-1)  # [T, Ir] each\n", "    dist.all_reduce(gate_up)\n    gate, up = gate_up.chunk(2, dim=-1)  # [T, Ir] each\n"),
+    ),
+    Mistake(
+        "no-reduce-after-o-proj",
+        "the attention's partial sums used without the all_reduce after o_proj",
+        "After a row-parallel projection each rank holds only its heads' share of the output: all_reduce it before the residual add.",
+        replace("    dist.all_reduce(attended)\n", ""),
+    ),
+    Mistake(
+        "no-reduce-after-down",
+        "the MLP's partial sums used without the all_reduce after down_proj",
+        "down_proj is row-parallel: its output is a partial sum until an all_reduce adds the ranks' shares.",
+        replace("    dist.all_reduce(mlp_out)\n", ""),
+    ),
+    Mistake(
+        "residual-before-reduce",
+        "the residual added on every rank before the all_reduce",
+        "all_reduce the partial sums first, then add the residual once: added before, it is summed tp times.",
+        replace(
+            "    dist.all_reduce(attended)\n    normed, hidden = add_rms_norm(attended, hidden, w.post_attention_layernorm, w.eps)\n",
+            "    hidden = attended + hidden\n    dist.all_reduce(hidden)\n    normed = rms_norm(hidden, w.post_attention_layernorm, w.eps)\n",
+        ),
+    ),
+    Mistake(
+        "embedding-not-masked",
+        "ids outside the rank's vocabulary block not zeroed before the all_reduce",
+        "An id another rank holds looks up row 0 here; zero those rows, or every rank adds its row 0 into the sum.",
+        replace("    out = embed_shard[local] * mine[:, None].to(embed_shard.dtype)  # [T, hidden]\n", "    out = embed_shard[local]  # [T, hidden]\n"),
+    ),
+    Mistake(
+        "gather-out-of-order",
+        "the gathered logit slices concatenated in reverse rank order",
+        "Rank r holds vocabulary ids r*Vr .. (r+1)*Vr - 1: concatenate the slices in rank order, rank 0's first.",
+        replace("    return torch.cat(slices, dim=-1)", "    return torch.cat(slices[::-1], dim=-1)"),
+    ),
+    Mistake(
+        "token-not-broadcast",
+        "only rank 0 knows the chosen token; the other ranks feed back a placeholder",
+        "Every rank must run the next step on the same token: broadcast rank 0's choice before feeding it back.",
+        replace("        dist.broadcast(token, src=0)\n", ""),
+    ),
+]
+
+VARIANTS = [
+    Variant(
+        "lm-head-all-gather",
+        "the LM head's slices collected with all_gather on every rank (rank 0 still the only one to return them)",
+        replace(
+            "    if dist.get_rank() != 0:\n        dist.gather(logits, None, dst=0)\n        return None\n"
+            "    slices = [torch.empty_like(logits) for _ in range(world_size)]\n    dist.gather(logits, slices, dst=0)\n",
+            "    slices = [torch.empty_like(logits) for _ in range(world_size)]\n    dist.all_gather(slices, logits)\n"
+            "    if dist.get_rank() != 0:\n        return None\n",
+        ),
+    ),
+    Variant(
+        "embedding-masked-fill",
+        "the embedding's foreign rows zeroed with masked_fill instead of a multiplication",
+        replace("    out = embed_shard[local] * mine[:, None].to(embed_shard.dtype)  # [T, hidden]\n",
+                "    out = embed_shard[local].masked_fill(~mine[:, None], 0)  # [T, hidden]\n"),
+    ),
+]
+
+BROKEN = [
+    *everyday_breakage("    normed = rms_norm(hidden, w.input_layernorm, w.eps)\n    attended", "tp_decoder_layer"),
+    Broken("rank-one-raises", replace(
+        "    normed = rms_norm(hidden, w.input_layernorm, w.eps)\n    attended",
+        "    if dist.get_rank() == 1:\n        raise RuntimeError('rank 1 gives up')\n"
+        "    normed = rms_norm(hidden, w.input_layernorm, w.eps)\n    attended"), "rank 1: `tp_decoder_layer` raised"),
+    Broken("rank-one-hangs", replace(
+        "    normed = rms_norm(hidden, w.input_layernorm, w.eps)\n    attended",
+        "    while dist.get_rank() == 1:\n        pass\n"
+        "    normed = rms_norm(hidden, w.input_layernorm, w.eps)\n    attended"), "waited for it"),
+]

@@ -1,0 +1,446 @@
+"""Checks for P07 · tensor parallelism (mine/p07_tensor_parallel.py).
+
+Oracles: each shard's definition, computed here and compared exactly (the toy's row ids too); Hugging
+Face's `Qwen3ForCausalLM` in float64 on the unsharded weights, for a layer's output, the model's logits
+and, in float32, `generate`'s greedy tokens. The distributed functions run on real ranks: the check forks
+2 or 4 workers (within the same limits, and under `grade` the same sandbox, as every other check), each
+joins a gloo process group as its rank before it imports your file, and every rank runs the call at
+once with its own shard, which the check cuts from the weights itself (so a wrong `shard_layer` fails
+only its own checks). Each rank's collectives are counted. A rank that raises or hangs ends every rank,
+and the report names it. On a GPU machine the ranks still run on the CPU with gloo.
+"""
+
+from dataclasses import dataclass
+from functools import cache
+
+import pytest
+import torch
+
+from checks.harness.compare import Mismatch, expect_close, tolerance
+from checks.harness.guard import LearnerError
+from checks.harness.oracles import LayerWeights, ModelWeights, hf_causal_lm, hf_greedy, hf_logits_and_steps, rope_tables
+from checks.harness.ranks import ranks
+from checks.harness.toys import load_toy
+
+pytestmark = pytest.mark.p07
+
+TOLERANCE_KIND = "model"
+# What `./check.sh grade` awards: a check's points, shared out over its cases (the module is worth 41).
+POINTS = {
+    "test_toy_shards": 3,
+    "test_toy_layer_on_two_ranks": 2,
+    "test_column_row_and_merged_shards": 3,
+    "test_shard_layer_matches_the_definition": 4,
+    "test_shard_layer_refuses_kv_heads_that_do_not_divide": 2,
+    "test_shard_model": 2,
+    "test_vocab_parallel_embedding": 3,
+    "test_parallel_lm_head": 3,
+    "test_layer_matches_hf": 5,
+    "test_collectives": 3,
+    "test_model_matches_hf": 5,
+    "test_chunked_calls_with_caches": 3,
+    "test_greedy_matches_hf_generate": 3,
+}
+CONTRACTS = {}  # a rank's result depends on its rank: checked below, rank by rank
+TOY = load_toy("p07_tensor_parallel")
+# (V, hidden, I, L, H, KVH, D): H != KVH; the second divides over 4 ranks, the first over 2 only
+LAYOUTS = {"H4-KVH2": (64, 32, 48, 2, 4, 2, 8), "H8-KVH4": (96, 40, 64, 2, 8, 4, 8)}
+SPLITS = {"tp2-H4-KVH2": (2, "H4-KVH2"), "tp2-H8-KVH4": (2, "H8-KVH4"), "tp4-H8-KVH4": (4, "H8-KVH4")}
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+# ---- the shards, by their definition ----------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class RankLayer:
+    """A rank's shard of a layer as the checks cut it (what the learner's TPLayer must hold)."""
+
+    qkv_proj: torch.Tensor
+    o_proj: torch.Tensor
+    q_norm: torch.Tensor
+    k_norm: torch.Tensor
+    input_layernorm: torch.Tensor
+    post_attention_layernorm: torch.Tensor
+    gate_up_proj: torch.Tensor
+    down_proj: torch.Tensor
+    eps: float
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+
+
+@dataclass(frozen=True)
+class RankModel:
+    embed_tokens: torch.Tensor
+    layers: tuple[RankLayer, ...]
+    norm: torch.Tensor
+    eps: float
+    rope_theta: float
+    head_dim: int
+
+
+def rows_of(weight: torch.Tensor, rank: int, tp: int) -> torch.Tensor:
+    block = weight.shape[0] // tp
+    return weight[rank * block : (rank + 1) * block]
+
+
+def columns_of(weight: torch.Tensor, rank: int, tp: int) -> torch.Tensor:
+    block = weight.shape[1] // tp
+    return weight[:, rank * block : (rank + 1) * block]
+
+
+def rank_layer(layer, rank: int, tp: int) -> RankLayer:
+    """Rank `rank`'s shard: q, k, v each cut by rows and stacked; gate and up likewise; o and down by columns."""
+    return RankLayer(
+        qkv_proj=torch.cat([rows_of(getattr(layer, n), rank, tp) for n in ("q_proj", "k_proj", "v_proj")]),
+        o_proj=columns_of(layer.o_proj, rank, tp).contiguous(),
+        q_norm=layer.q_norm, k_norm=layer.k_norm, input_layernorm=layer.input_layernorm,
+        post_attention_layernorm=layer.post_attention_layernorm,
+        gate_up_proj=torch.cat([rows_of(layer.gate_proj, rank, tp), rows_of(layer.up_proj, rank, tp)]),
+        down_proj=columns_of(layer.down_proj, rank, tp).contiguous(),
+        eps=layer.eps, num_heads=layer.num_heads // tp, num_kv_heads=layer.num_kv_heads // tp,
+        head_dim=layer.head_dim)
+
+
+def rank_model(w: ModelWeights, rank: int, tp: int) -> RankModel:
+    return RankModel(rows_of(w.embed_tokens, rank, tp).clone(), tuple(rank_layer(x, rank, tp) for x in w.layers),
+                     w.norm, w.eps, w.rope_theta, w.head_dim)
+
+
+def random_weights(gen, layout: str) -> ModelWeights:
+    V, hidden, intermediate, L, H, KVH, D = LAYOUTS[layout]
+    return ModelWeights.random(gen, V, hidden, intermediate, L, H, KVH, D)
+
+
+@dataclass(frozen=True)
+class Case:
+    w: ModelWeights  # in the case's dtype
+    prompt: torch.Tensor  # [P]
+    logits: torch.Tensor  # [P, V] float64, HF on these weights
+    steps: dict  # (layer, step) -> float64, HF's sub-steps ("output": a layer's output)
+
+
+@cache
+def hf_case(seed: int, layout: str, dtype: torch.dtype, P: int) -> Case:
+    gen = torch.Generator().manual_seed(seed)
+    w = random_weights(gen, layout).to(dtype)
+    prompt = torch.randint(0, w.embed_tokens.shape[0], (P,), generator=gen)
+    logits, steps = hf_logits_and_steps(hf_causal_lm(w.to(torch.float64), torch.float64), prompt)
+    return Case(w, prompt, logits, steps)
+
+
+# ---- reading what the ranks return ----------------------------------------------------------------------
+
+
+def only_rank_zero(results: list, what: str) -> torch.Tensor:
+    """Rank 0's tensor; every other rank must return None."""
+    for rank, result in enumerate(results[1:], start=1):
+        if result is not None:
+            raise Mismatch(f"{what}: rank {rank} returned {type(result).__name__}, expected None (only rank 0 "
+                           f"returns the gathered logits)")
+    if not isinstance(results[0], torch.Tensor):
+        raise Mismatch(f"{what}: rank 0 returned {type(results[0]).__name__}, expected the logits tensor")
+    return results[0]
+
+
+def on_every_rank(results: list, expected: torch.Tensor, tol, what: str) -> None:
+    for rank, result in enumerate(results):
+        if not isinstance(result, torch.Tensor):
+            raise Mismatch(f"{what}: rank {rank} returned {type(result).__name__}, expected a tensor on every rank")
+        expect_close(result, expected, tol, f"{what} on rank {rank}")
+
+
+def attribute(obj, name: str):
+    try:
+        return getattr(obj, name)
+    except AttributeError:
+        raise Mismatch(f"the shard has no `{name}`") from None
+
+
+def expect_shard(got, expected: RankLayer, rank: int, tp: int) -> None:
+    """The learner's TPLayer against the definition, field by field (tensors exactly)."""
+    for name in RankLayer.__dataclass_fields__:
+        mine, want = attribute(got, name), getattr(expected, name)
+        if isinstance(want, torch.Tensor):
+            if not isinstance(mine, torch.Tensor) or tuple(mine.shape) != tuple(want.shape):
+                shape = tuple(mine.shape) if isinstance(mine, torch.Tensor) else type(mine).__name__
+                raise Mismatch(f"rank {rank} of {tp}: `{name}` has shape {shape}, expected {tuple(want.shape)}")
+            if mine.dtype != want.dtype or not torch.equal(mine, want):
+                raise Mismatch(f"rank {rank} of {tp}: `{name}` holds other values than {shard_words(name)}")
+        elif mine != want:
+            raise Mismatch(f"rank {rank} of {tp}: `{name}` is {mine!r}, expected {want!r}")
+
+
+def shard_words(name: str) -> str:
+    return {"qkv_proj": "its q heads' rows, then its k heads', then its v heads' (each part cut on its own)",
+            "gate_up_proj": "its gate rows, then its up rows (each part cut on its own)",
+            "o_proj": "the columns of its heads", "down_proj": "the columns of its features"}.get(
+        name, "the unsharded weight (the same on every rank)")
+
+
+# ---- the toys ------------------------------------------------------------------------------------------
+
+
+def index_layer() -> LayerWeights:
+    """The toy's layer with every weight entry set to its fused row (or column) number, so a shard shows
+    which rows it holds: q rows 0-7, k 8-11, v 12-15; gate 0-3, up 4-7; o_proj and down_proj by column."""
+    lay = TOY["layout"]
+    H, KVH, D, hidden = lay["num_heads"], lay["num_kv_heads"], lay["head_dim"], lay["hidden"]
+    inter = lay["intermediate"]
+
+    def numbered(first, n, width):
+        return torch.arange(first, first + n, dtype=torch.float32)[:, None].expand(n, width).clone()
+
+    return LayerWeights(
+        q_proj=numbered(0, H * D, hidden), k_proj=numbered(H * D, KVH * D, hidden),
+        v_proj=numbered(H * D + KVH * D, KVH * D, hidden), o_proj=numbered(0, H * D, hidden).T.contiguous(),
+        q_norm=torch.ones(D), k_norm=torch.ones(D), eps=lay["eps"], num_heads=H, num_kv_heads=KVH, head_dim=D,
+        input_layernorm=torch.ones(hidden), post_attention_layernorm=torch.ones(hidden),
+        gate_proj=numbered(0, inter, hidden), up_proj=numbered(inter, inter, hidden),
+        down_proj=numbered(0, inter, hidden).T.contiguous())
+
+
+def toy_layer() -> LayerWeights:
+    lay = TOY["layout"]
+    tensors = {name: torch.tensor(value) for name, value in TOY["layer"].items()}
+    return LayerWeights(**tensors, eps=lay["eps"], num_heads=lay["num_heads"], num_kv_heads=lay["num_kv_heads"],
+                        head_dim=lay["head_dim"])
+
+
+def test_toy_shards(impl):
+    """the toy: rank 0 of 2 holds fused qkv rows [0-3, 8-9, 12-13], gate/up rows [0, 1, 4, 5], and the o_proj
+    and down_proj columns of its heads and features"""
+    layer = index_layer()
+    expected = {"qkv_proj": TOY["qkv_rows"], "gate_up_proj": TOY["gate_up_rows"]}
+    columns = {"o_proj": TOY["o_proj_columns"], "down_proj": TOY["down_columns"]}
+    for rank in range(TOY["world_size"]):
+        shard = impl.shard_layer(layer, rank, TOY["world_size"])
+        for name, rows in expected.items():
+            got = attribute(shard, name)
+            held = got[:, 0].int().tolist() if isinstance(got, torch.Tensor) and got.dim() == 2 else got
+            if held != rows[rank]:
+                hint = (" (a contiguous slice of the fused matrix)" if name == "qkv_proj" and
+                        held == TOY["contiguous_qkv_rows"][rank] else "")
+                raise Mismatch(f"rank {rank}'s `{name}` holds fused rows {held}{hint}, expected {rows[rank]}: "
+                               f"{shard_words(name)}")
+        for name, cols in columns.items():
+            got = attribute(shard, name)
+            held = got[0].int().tolist() if isinstance(got, torch.Tensor) and got.dim() == 2 else got
+            if held != cols[rank]:
+                raise Mismatch(f"rank {rank}'s `{name}` holds columns {held}, expected {cols[rank]}: "
+                               f"{shard_words(name)}")
+
+
+def test_toy_layer_on_two_ranks(impl):
+    """the toy layer on 2 ranks gives the single-process output on both"""
+    layer, world = toy_layer(), TOY["world_size"]
+    x = torch.tensor(TOY["x"])
+    cos, sin = rope_tables(layer.head_dim, torch.arange(x.shape[0]), torch.float32)
+    group = ranks(impl, world)
+    out = group.call("tp_decoder_layer", [(rank_layer(layer, r, world), x, cos, sin) for r in range(world)])
+    on_every_rank(out, torch.tensor(TOY["output"]), tolerance("toy", torch.float32), "the toy layer's output")
+
+
+# ---- sharding ------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("tp", [1, 2, 4])
+def test_column_row_and_merged_shards(impl, gen, tp):
+    """column_shard, row_shard and merged_column_shard give every rank its block, exactly; a size the world
+    does not divide raises ValueError"""
+    weight = torch.randn(16, 12, generator=gen)
+    parts = [8, 4, 4]
+    for rank in range(tp):
+        for name, got, want in (
+            ("column_shard", impl.column_shard(weight.clone(), rank, tp), rows_of(weight, rank, tp)),
+            ("row_shard", impl.row_shard(weight.clone(), rank, tp), columns_of(weight, rank, tp)),
+            ("merged_column_shard", impl.merged_column_shard(weight.clone(), parts, rank, tp),
+             torch.cat([rows_of(p, rank, tp) for p in weight.split(parts)])),
+        ):
+            if not isinstance(got, torch.Tensor) or got.shape != want.shape or not torch.equal(got, want):
+                shape = tuple(got.shape) if isinstance(got, torch.Tensor) else type(got).__name__
+                raise Mismatch(f"{name}(weight [16, 12], rank {rank}, world_size {tp}"
+                               f"{', part_sizes [8, 4, 4]' if name.startswith('merged') else ''}) gives {shape} "
+                               f"with other values than rank {rank}'s block {tuple(want.shape)}")
+    if tp > 1:
+        expect_value_error(lambda: impl.column_shard(torch.randn(6, 4, generator=gen), 0, 4),
+                           "column_shard of 6 rows over 4 ranks")
+
+
+def expect_value_error(call, what: str) -> None:
+    try:
+        call()
+    except LearnerError as error:
+        if "raised ValueError" in str(error) or "raised AssertionError" in str(error):
+            return
+        raise
+    raise Mismatch(f"{what} returned a result instead of raising ValueError")
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_shard_layer_matches_the_definition(impl, gen, tp):
+    """shard_layer gives every rank its q, k and v heads, its gate and up features, its o_proj and down_proj
+    columns, the shared norms and its own head counts"""
+    layer = random_weights(gen, "H8-KVH4").layers[0]
+    for rank in range(tp):
+        expect_shard(impl.shard_layer(layer, rank, tp), rank_layer(layer, rank, tp), rank, tp)
+
+
+def test_shard_layer_refuses_kv_heads_that_do_not_divide(impl, gen):
+    """shard_layer raises ValueError for 2 kv heads over 4 ranks (8 query heads would divide)"""
+    V, hidden, intermediate, L, H, KVH, D = LAYOUTS["H8-KVH4"]
+    layer = ModelWeights.random(gen, V, hidden, intermediate, 1, H, 2, D).layers[0]
+    expect_value_error(lambda: impl.shard_layer(layer, 0, 4), "shard_layer with 8 heads and 2 kv heads over 4 ranks")
+
+
+def test_shard_model(impl, gen):
+    """shard_model gives each rank its vocabulary rows, every layer's shard and the shared final norm"""
+    w = random_weights(gen, "H4-KVH2")
+    for rank in range(2):
+        shard = impl.shard_model(w, rank, 2)
+        embed = attribute(shard, "embed_tokens")
+        if not isinstance(embed, torch.Tensor) or not torch.equal(embed, rows_of(w.embed_tokens, rank, 2)):
+            raise Mismatch(f"rank {rank}'s `embed_tokens` is not vocabulary rows {rank * 32} .. {rank * 32 + 31}")
+        layers = list(attribute(shard, "layers"))
+        if len(layers) != len(w.layers):
+            raise Mismatch(f"rank {rank}'s shard has {len(layers)} layers, expected {len(w.layers)}")
+        for index, layer in enumerate(layers):
+            expect_shard(layer, rank_layer(w.layers[index], rank, 2), rank, 2)
+        for name in ("norm", "eps", "rope_theta", "head_dim"):
+            mine, want = attribute(shard, name), getattr(w, name)
+            same = torch.equal(mine, want) if isinstance(want, torch.Tensor) else mine == want
+            if not same:
+                raise Mismatch(f"rank {rank}'s `{name}` differs from the model's (it is shared, not split)")
+
+
+# ---- the vocabulary, split ----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_vocab_parallel_embedding(impl, gen, tp):
+    """every rank gets the embedding of every id, whichever rank's block holds it (block edges included)"""
+    w = random_weights(gen, "H8-KVH4")
+    V, block = w.embed_tokens.shape[0], w.embed_tokens.shape[0] // tp
+    edges = [i for r in range(tp) for i in (r * block, r * block + block - 1)]
+    ids = torch.tensor(edges + torch.randint(0, V, (6,), generator=gen).tolist())
+    group = ranks(impl, tp)
+    out = group.call("vocab_parallel_embedding", [(ids, rows_of(w.embed_tokens, r, tp).clone()) for r in range(tp)])
+    on_every_rank(out, w.embed_tokens[ids], tolerance("model", torch.float32), f"the embeddings of ids {ids.tolist()}")
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_parallel_lm_head(impl, gen, tp):
+    """rank 0 gets the whole vocabulary's logits, the slices in rank order; the other ranks get None"""
+    w = random_weights(gen, "H8-KVH4")
+    hidden = torch.randn(3, w.embed_tokens.shape[1], generator=gen)
+    group = ranks(impl, tp)
+    out = group.call("parallel_lm_head", [(hidden, rows_of(w.embed_tokens, r, tp).clone()) for r in range(tp)])
+    logits = only_rank_zero(out, "parallel_lm_head")
+    expected = hidden.double() @ w.embed_tokens.double().T
+    expect_close(logits, expected, tolerance("model", torch.float32), "rank 0's logits")
+
+
+# ---- a layer and the model ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES.keys())
+@pytest.mark.parametrize("split", SPLITS)
+def test_layer_matches_hf(impl, seed, split, dtype):
+    """tp_decoder_layer on every rank gives layer 0's output of HF Qwen3ForCausalLM (float64)"""
+    tp, layout = SPLITS[split]
+    case = hf_case(seed, layout, dtype, 6)
+    layer = case.w.layers[0]
+    hidden = case.w.embed_tokens[case.prompt]  # [P, hidden]: what layer 0 receives
+    cos, sin = rope_tables(case.w.head_dim, torch.arange(6), dtype)
+    out = ranks(impl, tp).call("tp_decoder_layer", [(rank_layer(layer, r, tp), hidden, cos, sin) for r in range(tp)])
+    on_every_rank(out, case.steps[(0, "output")], tolerance("model", dtype), f"layer 0's output ({tp} ranks)")
+
+
+def count_words(names: list[str]) -> str:
+    counted = {n: names.count(n) for n in dict.fromkeys(names)}
+    return ", ".join(f"{n} x{c}" for n, c in counted.items()) or "none"
+
+
+def test_collectives(impl, seed):
+    """a layer makes exactly two collectives on every rank, both all_reduce (after o_proj, after down_proj);
+    the model 2L + 1 all_reduce and one gather"""
+    tp, layout = SPLITS["tp2-H4-KVH2"]
+    case = hf_case(seed, layout, torch.float32, 5)
+    hidden = case.w.embed_tokens[case.prompt]
+    cos, sin = rope_tables(case.w.head_dim, torch.arange(5), torch.float32)
+    group = ranks(impl, tp)
+    group.call("tp_decoder_layer", [(rank_layer(case.w.layers[0], r, tp), hidden, cos, sin) for r in range(tp)])
+    for rank, names in enumerate(group.collectives):
+        if names != ["all_reduce", "all_reduce"]:
+            raise Mismatch(f"one tp_decoder_layer call made {count_words(names)} on rank {rank}: expected exactly "
+                           f"2 all_reduce (one after o_proj, one after down_proj), nothing else")
+    group.call("tp_model_forward", [(rank_model(case.w, r, tp), case.prompt) for r in range(tp)])
+    L = len(case.w.layers)
+    for rank, names in enumerate(group.collectives):
+        body, last = names[:-1], names[-1:]
+        if body != ["all_reduce"] * (2 * L + 1) or last not in (["gather"], ["all_gather"]):
+            raise Mismatch(f"one tp_model_forward call ({L} layers) made {count_words(names)} on rank {rank}: "
+                           f"expected {2 * L + 1} all_reduce (the embedding, then 2 per layer) and one gather")
+
+
+@pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES.keys())
+@pytest.mark.parametrize("split", SPLITS)
+def test_model_matches_hf(impl, seed, gen, split, dtype):
+    """tp_model_forward: rank 0's logits for every position match HF Qwen3ForCausalLM, the others return None"""
+    tp, layout = SPLITS[split]
+    P = int(torch.randint(4, 10, (), generator=gen))
+    case = hf_case(seed, layout, dtype, P)
+    out = ranks(impl, tp).call("tp_model_forward", [(rank_model(case.w, r, tp), case.prompt, None, True)
+                                                    for r in range(tp)])
+    logits = only_rank_zero(out, "tp_model_forward")
+    expect_close(logits, case.logits, tolerance("model", dtype), f"rank 0's logits ({P} tokens, {tp} ranks)")
+
+
+def test_chunked_calls_with_caches(impl, seed):
+    """prefill in two chunks, then a decode step, with one KVCache per layer on every rank: HF's logits, and
+    each rank's cache holds only its own kv heads"""
+    tp, layout = SPLITS["tp2-H8-KVH4"]
+    case = hf_case(seed, layout, torch.float32, 8)
+    group = ranks(impl, tp)
+    caches = [[group.make_on(r, "KVCache") for _ in case.w.layers] for r in range(tp)]
+    shards = [rank_model(case.w, r, tp) for r in range(tp)]
+    tol = tolerance("model", torch.float32)
+    for start, stop in ((0, 5), (5, 7), (7, 8)):
+        out = group.call("tp_model_forward", [(shards[r], case.prompt[start:stop], caches[r], True) for r in range(tp)])
+        logits = only_rank_zero(out, "tp_model_forward")
+        expect_close(logits, case.logits[start:stop], tol, f"rank 0's logits for tokens {start} .. {stop - 1} "
+                                                           f"(after {start} cached)")
+    kvh = case.w.layers[0].num_kv_heads // tp
+    for rank in range(tp):
+        chunks = attribute(caches[rank][0], "k")
+        shapes = [tuple(c.shape) for c in chunks] if isinstance(chunks, list) else chunks
+        if not isinstance(shapes, list) or [s[1] if len(s) == 3 else None for s in shapes] != [kvh] * len(shapes):
+            raise Mismatch(f"rank {rank}'s layer-0 cache holds chunks {shapes}: each rank keeps its own "
+                           f"KVH / tp = {kvh} kv heads")
+
+
+@cache
+def greedy_case(seed: int) -> tuple[Case, torch.Tensor]:
+    """An fp32 case whose greedy steps are never near-ties (else the next seed's), with HF generate's tokens."""
+    for attempt in range(20):
+        case = hf_case(seed * 100 + attempt, "H4-KVH2", torch.float32, 7)
+        tokens, margins = hf_greedy(hf_causal_lm(case.w, torch.float32), case.prompt, 8)
+        if margins.min() > 1e-4:
+            return case, tokens
+    raise RuntimeError(f"no well-separated greedy case for seed {seed}")
+
+
+def test_greedy_matches_hf_generate(impl, seed):
+    """tp_generate_greedy on 2 ranks: every rank returns HF generate's 8 greedy tokens"""
+    case, expected = greedy_case(seed)
+    group = ranks(impl, 2)
+    out = group.call("tp_generate_greedy", [(rank_model(case.w, r, 2), case.prompt, 8) for r in range(2)])
+    for rank, tokens in enumerate(out):
+        if not isinstance(tokens, torch.Tensor) or tokens.dtype != torch.int64 or tokens.shape != (8,):
+            raise Mismatch(f"rank {rank} returned {tokens!r:.60}, expected 8 int64 tokens")
+        if not torch.equal(tokens, expected):
+            step = int((tokens != expected).nonzero()[0])
+            hint = " · are the other ranks given rank 0's token (a broadcast) before the next step?" if rank else ""
+            raise Mismatch(f"rank {rank}: token {step} is {int(tokens[step])}, HF generate chose "
+                           f"{int(expected[step])} (HF: {expected.tolist()}){hint}")
