@@ -1,7 +1,7 @@
 """Ranks: one implementation's module in `world_size` workers joined in a real process group.
 
 Tensor parallelism runs one process per rank, each with the same code and its own shard of the weights,
-meeting in collectives (`all_reduce`, `gather`, ...). A check does the same: `Ranks(impl, 2)` forks two
+meeting in collectives (`all_reduce`, `gather`, ...). A check does the same: `ranks(impl, 2)` forks two
 workers from the same fork server (inside the same limits and sandbox as every other check), each joins
 a gloo process group as its rank before it imports the module, and `ranks.call(name, args_per_rank)`
 calls the function on every rank at once and returns the results in rank order.
@@ -42,7 +42,7 @@ def free_port() -> int:
 
 
 class Ranks:
-    """`world_size` ranks of the implementation `guarded` checks; a context manager that ends them."""
+    """`world_size` ranks of the implementation `guarded` checks (made by `ranks()`, ended by `close()`)."""
 
     def __init__(self, guarded: Guarded, world_size: int, backend: str = "gloo"):
         self.guarded, self.world_size = guarded, world_size
@@ -58,18 +58,11 @@ class Ranks:
         self.started = False
         self.pool = ThreadPoolExecutor(max_workers=world_size)
 
-    def __enter__(self) -> "Ranks":
-        self.start()
-        return self
-
     def start(self) -> None:
-        """Every rank's worker forked and joined (once; a call starts them when nobody did)."""
+        """Every rank's worker forked and joined (once, by the first call)."""
         if not self.started:
             self.started = True
             self._on_every_rank([guard.run.names for guard in self.guards], "joining the process group")
-
-    def __exit__(self, *exc) -> None:
-        self.close()
 
     def end_check(self) -> None:
         for run in self.runs:
