@@ -36,7 +36,7 @@ pytestmark = pytest.mark.p06
 
 TOLERANCE_KIND = "sampler"
 # What `./check.sh grade` awards: a check's points, shared out over its cases (a module is worth the sum,
-# 37). An optional oracle's check (absent on most machines) is worth nothing.
+# 41). An optional oracle's check (absent on most machines) is worth nothing.
 POINTS = {
     "test_toy_probabilities": 2,
     "test_toy_sample": 1,
@@ -50,6 +50,7 @@ POINTS = {
     "test_seeded_requests_do_not_depend_on_the_batch": 3,
     "test_first_token_follows_the_distribution": 4,
     "test_engine_loads_a_local_checkpoint_folder": 1,
+    "test_two_ranks_give_the_tokens_of_one": 4,
 }
 CONTRACTS = {
     "probabilities": lambda logits, temperature, top_k, top_p: Returns(
@@ -61,6 +62,9 @@ TOY = load_toy("p06_engine")
 # engine per mutant, and every mistake these catch is also caught, and named, by a cheaper check.
 UNNAMED = {"test_preemption_keeps_the_tokens", "test_stops_at_eos_unless_ignored",
            "test_first_token_follows_the_distribution", "test_engine_loads_a_local_checkpoint_folder"}
+# Checks that name only some mistakes: the engine on two ranks is replayed for the mistakes of its
+# tensor-parallel branch alone (every other one is named by a check on one rank).
+NAMED_BY = {"test_two_ranks_give_the_tokens_of_one": lambda mistake_id: mistake_id.startswith("tp-")}
 # (V, hidden, I, L, H, KVH, D): head dims the kernels take (powers of two >= 16), H != KVH
 LAYOUTS = {
     "L2-H4-KVH2-D16": (96, 48, 80, 2, 4, 2, 16),
@@ -68,7 +72,7 @@ LAYOUTS = {
 }
 NEAR_TIE = 0.03  # float16 logits of these models are within 0.009 of float64 (measured): a 3x margin
 MODULES = ("m01_rmsnorm", "m03_rope", "m04_qwen3_model", "p01_block_manager", "p02_store_kvcache",
-           "p03_flash_attention", "p04_paged_decode", "p05_scheduler", "p06_engine")
+           "p03_flash_attention", "p04_paged_decode", "p05_scheduler", "p06_engine", "p07_tensor_parallel")
 
 
 @dataclass
@@ -83,6 +87,7 @@ class Config:
     max_model_len: int = 128
     eos_token_id: int = -1
     cuda_graphs: bool = False  # the checks time nothing; the benchmark runs the graphs
+    tensor_parallel_size: int = 1
 
 
 @dataclass
@@ -144,6 +149,8 @@ def engine(impl, run: Run) -> Run:
     if not isinstance(stats, dict):
         raise Mismatch(f"LLM.stats is {type(stats).__name__}, expected the dict of counters __init__ sets up")
     run.outputs, run.stats = outputs, dict(stats)
+    if run.config.tensor_parallel_size > 1:
+        llm.close()
     return run
 
 
@@ -489,5 +496,32 @@ def test_first_token_follows_the_distribution(request, impl, seed):
             shown = ", ".join(f"{int(t)}: {int(c)} (expected {e:.1f})" for t, c, e in zip(kept, counts, expected))
             raise Mismatch(f"first tokens {shown}: chi-square {statistic:.1f} on {dof} degrees of freedom, "
                            f"p = {p_value:.1e} < {FALSE_ALARM:g}")
+
+    with_blame(request, impl, scenario)
+
+
+# ---- tensor parallelism (with p07) --------------------------------------------------------------------
+
+
+def test_two_ranks_give_the_tokens_of_one(request, impl, seed):
+    """on two ranks (tensor_parallel_size 2, your p07 shards, gloo) the engine gives its one-rank tokens"""
+    if DEVICE.type != "cpu":
+        pytest.skip("two ranks need two GPUs (NCCL): on a GPU machine this check runs in the CPU interpreter only")
+    layout = "L2-H4-KVH2-D16"  # 2 query heads and 1 kv head per rank; V 96 and I 80 split in two
+    gen = torch.Generator().manual_seed(seed)
+    shared = random_prompts(gen, 96, (8,))[0]
+    prompts = [shared + tail for tail in random_prompts(gen, 96, (5, 1))] + random_prompts(gen, 96, (7,))
+    params = [Params(max_tokens=5)] * len(prompts)
+    one = Run(weights(seed, layout), prompts, params, Config(max_num_batched_tokens=8))
+    two = Run(one.w, prompts, params, Config(max_num_batched_tokens=8, tensor_parallel_size=2))
+
+    def scenario(impl):
+        engine(impl, one)
+        engine(impl, two)
+        if two.outputs != one.outputs:  # both may be right only where HF's two best logits nearly tie
+            expect_greedy(two, seed, layout, "on two ranks")
+        expect_count(two, "chunked_prefills", lambda n: n >= 1,
+                     "at least 1: prompts of 13, 9 and 7 under a budget of 8")
+        expect_count(two, "cached_tokens", lambda n: n >= 8, "at least 8: two prompts share two full blocks")
 
     with_blame(request, impl, scenario)

@@ -14,6 +14,10 @@ is a large part of a step for a small model. The runner records one decode step 
 CUDA graph and replays it: a batch pads to the next recorded size with slot -1 (nothing stored) and
 context length 0 (nothing read). Prefill runs eagerly.
 
+With `tensor_parallel_size` > 1 (after p07), the engine serves one model from several ranks: each holds
+its p07 shard, rank 0 schedules and samples, and every step's batch runs on every rank at once, the
+ranks' partial sums meeting in p07's collectives.
+
 Ideas from: nano-vllm (`nanovllm/engine/llm_engine.py`, `model_runner.py`, `layers/sampler.py`); Yu et
 al., "Orca: a distributed serving system for Transformer-based generative models" (continuous batching,
 OSDI 2022); Kwon et al., "Efficient Memory Management for LLM Serving with PagedAttention" (2023).
@@ -24,23 +28,32 @@ cache block.
 Run `./check.sh p06` to check this file.
 """
 
+import atexit
+import ctypes
 import math
 import os
+import signal
+import socket
+import time
+import traceback
 from dataclasses import dataclass
+from datetime import timedelta
 from pathlib import Path
 from typing import NamedTuple
 
 import torch
+import torch.distributed as dist
 
 # Your own modules, from this folder (the stub keeps these imports for you, hence the noqa).
 from .m01_rmsnorm import add_rms_norm, rms_norm  # noqa: F401
 from .m03_rope import apply_rope, inverse_frequencies, rope_cos_sin  # noqa: F401
-from .m04_qwen3_model import Qwen3Weights, load_pretrained, mlp_forward  # noqa: F401
+from .m04_qwen3_model import Qwen3Layer, Qwen3Weights, load_pretrained, mlp_forward  # noqa: F401
 from .p01_block_manager import Sequence, decode_metadata, prefill_metadata  # noqa: F401
 from .p02_store_kvcache import store_kvcache  # noqa: F401
 from .p03_flash_attention import flash_attn_varlen  # noqa: F401
 from .p04_paged_decode import paged_decode, paged_prefill  # noqa: F401
 from .p05_scheduler import Request, Scheduler  # noqa: F401
+from .p07_tensor_parallel import parallel_lm_head, shard_model, vocab_parallel_embedding  # noqa: F401
 
 
 @dataclass
@@ -73,6 +86,8 @@ class EngineConfig:
     decode steps on a GPU (ignored on a CPU). `compile_layers`: on a GPU, fuse each layer's steps around
     the attention (your norms, RoPE, MLP and residual adds) with `torch.compile`, as nano-vllm does; it
     costs a compilation when the engine starts, so the checks leave it off and the benchmark turns it on.
+    `tensor_parallel_size` ranks serve the model (see `TensorParallel`); tp must divide the heads, the kv
+    heads, the MLP's features and the vocabulary.
     """
 
     block_size: int = 16
@@ -84,6 +99,7 @@ class EngineConfig:
     eos_token_id: int = -1
     cuda_graphs: bool = True
     compile_layers: bool = False
+    tensor_parallel_size: int = 1
 
 
 def probabilities(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
@@ -153,12 +169,19 @@ def _attention_inputs(hidden, input_norm, q_proj, k_proj, v_proj, q_norm, k_norm
     return q, k, v
 
 
-def _layer_output(attended, hidden, o_proj, post_norm, mlp, eps: float):
-    """A layer after the attention: o_proj, the residual add and norm, the MLP and its residual add."""
+def _layer_output(attended, hidden, o_proj, post_norm, mlp, eps: float, reduce: bool):
+    """A layer after the attention: o_proj, the residual add and norm, the MLP and its residual add. With
+    `reduce` (a rank of a tensor-parallel engine), o_proj's and down_proj's outputs are partial sums that
+    an `all_reduce` completes before each residual add."""
     T = hidden.shape[0]
     projected = attended.reshape(T, -1) @ o_proj.T  # [T, H, D] -> [T, hidden]
+    if reduce:
+        dist.all_reduce(projected)
     normed, hidden = add_rms_norm(projected, hidden, post_norm, eps)
-    return hidden + mlp_forward(mlp, normed)
+    mlp_out = mlp_forward(mlp, normed)
+    if reduce:
+        dist.all_reduce(mlp_out)
+    return hidden + mlp_out
 
 
 class ModelRunner:
@@ -167,12 +190,21 @@ class ModelRunner:
     The state (laid out by `__init__`): `model`; `k_caches`, `v_caches`: `[L, num_blocks, block_size,
     KVH, D]` in the model's dtype on its device, layer l's cache being `k_caches[l]`; `inv_freq`; and,
     on a GPU with `cuda_graphs`, the recorded decode graphs (`graphs`, by batch size) and their input
-    and output buffers.
+    and output buffers; `tensor_parallel_size`.
+
+    With `tensor_parallel_size` > 1 the runner is one rank's (p07): `model` is the rank's shard, as m04
+    weights with the rank's heads (`rank_weights`), so the caches hold its KVH / tp kv heads, and the
+    forward makes p07's collectives: `vocab_parallel_embedding` for the embedding, one `all_reduce` of
+    o_proj's output and one of down_proj's in every layer, and `parallel_lm_head` for the logits, which
+    only rank 0 gets: `prefill` and `decode` return None on the other ranks. Every rank runs the same
+    calls on the same requests.
     """
 
     def __init__(self, model, num_blocks: int, block_size: int, max_num_seqs: int = 64,
-                 max_model_len: int = 4096, cuda_graphs: bool = True, compile_layers: bool = False) -> None:
+                 max_model_len: int = 4096, cuda_graphs: bool = True, compile_layers: bool = False,
+                 tensor_parallel_size: int = 1) -> None:
         self.model = model
+        self.tensor_parallel_size = tensor_parallel_size
         embed = model.embed_tokens
         first = model.layers[0]
         shape = (len(model.layers), num_blocks, block_size, first.num_kv_heads, model.head_dim)
@@ -195,7 +227,8 @@ class ModelRunner:
         yet, or with `paged_prefill` through the block tables when something is.
 
         Returns:
-            `[B, V]` float32 logits, row b for request b's last scheduled token.
+            `[B, V]` float32 logits, row b for request b's last scheduled token (None on a rank other
+            than 0).
         """
         views = [Sequence(r.token_ids[: r.num_computed_tokens + r.num_scheduled_tokens], r.block_size,
                           r.block_table, num_cached_tokens=r.num_computed_tokens) for r in requests]
@@ -216,7 +249,7 @@ class ModelRunner:
         and read the first B rows of its output.
 
         Returns:
-            `[B, V]` float32 logits.
+            `[B, V]` float32 logits (None on a rank other than 0).
         """
         meta = decode_metadata(requests)
         B = len(requests)
@@ -242,13 +275,17 @@ class ModelRunner:
         model = self.model
         before, after = self._layer_steps()
         cos, sin = rope_cos_sin(positions, self.inv_freq, model.embed_tokens.dtype)  # [T, D] each
-        hidden = model.embed_tokens[input_ids]  # [T, hidden]
+        reduce = self.tensor_parallel_size > 1
+        if reduce:  # this rank holds a block of the vocabulary
+            hidden = vocab_parallel_embedding(input_ids, model.embed_tokens)  # [T, hidden]
+        else:
+            hidden = model.embed_tokens[input_ids]  # [T, hidden]
         for index, layer in enumerate(model.layers):
             q, k, v = before(hidden, layer.input_layernorm, layer.q_proj, layer.k_proj, layer.v_proj, layer.q_norm,
                              layer.k_norm, cos, sin, layer.eps, layer.num_heads, layer.num_kv_heads, layer.head_dim)
             store_kvcache(k, v, self.k_caches[index], self.v_caches[index], slot_mapping)
             hidden = after(attend(index, q, k, v), hidden, layer.o_proj, layer.post_attention_layernorm,
-                           _Mlp(layer.gate_proj, layer.up_proj, layer.down_proj), layer.eps)
+                           _Mlp(layer.gate_proj, layer.up_proj, layer.down_proj), layer.eps, reduce)
         return hidden
 
     def _layer_steps(self):
@@ -271,9 +308,13 @@ class ModelRunner:
         return self._forward(input_ids, positions, slot_mapping, lambda index, q, k, v: paged_decode(
             q, self.k_caches[index], self.v_caches[index], block_tables, context_lens))
 
-    def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
+    def _logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
         model = self.model
-        return (rms_norm(hidden, model.norm, model.eps) @ model.embed_tokens.T).float()  # [B, V]
+        normed = rms_norm(hidden, model.norm, model.eps)
+        if self.tensor_parallel_size == 1:
+            return (normed @ model.embed_tokens.T).float()  # [B, V]
+        logits = parallel_lm_head(normed, model.embed_tokens)  # [B, V] on rank 0, None elsewhere
+        return None if logits is None else logits.float()
 
     def capture_decode_graphs(self, max_num_seqs: int, max_blocks: int) -> None:
         """Record one decode step as a CUDA graph per batch size (GPU only; `__init__` calls it).
@@ -317,6 +358,161 @@ class ModelRunner:
         torch.cuda.synchronize()
 
 
+def rank_weights(model, rank: int, world_size: int) -> Qwen3Weights:
+    """Rank `rank`'s shard of `model` as m04 weights (given complete): your p07 `shard_model`, each layer's
+    fused qkv split back into the rank's q, k and v rows and its gate_up into gate and up, so the runner's
+    layers read a shard as they read a whole model. `embed_tokens` is the rank's vocabulary block
+    `[V/tp, hidden]`; the layers' head counts are the rank's."""
+    shard = shard_model(model, rank, world_size)
+    layers = []
+    for layer in shard.layers:
+        q_rows, kv_rows = layer.num_heads * layer.head_dim, layer.num_kv_heads * layer.head_dim
+        q, k, v = torch.split(layer.qkv_proj, [q_rows, kv_rows, kv_rows])  # [Hr*D | KVHr*D | KVHr*D, hidden]
+        gate, up = layer.gate_up_proj.chunk(2)  # [Ir, hidden] each
+        layers.append(Qwen3Layer(q, k, v, layer.o_proj, layer.q_norm, layer.k_norm, layer.input_layernorm,
+                                 layer.post_attention_layernorm, gate, up, layer.down_proj, layer.eps,
+                                 layer.num_heads, layer.num_kv_heads, layer.head_dim))
+    return Qwen3Weights(shard.embed_tokens, layers, shard.norm, shard.eps, shard.rope_theta, shard.head_dim)
+
+
+class TensorParallel:
+    """The ranks of a tensor-parallel engine, seen from rank 0 (given complete; `LLM` makes it).
+
+    Ranks 1 .. tp-1 are processes forked from this one, so they start with the model's tensors. A GPU
+    cannot be handed to a forked process, so the model must be on the CPU when the engine starts; on a
+    machine with GPUs, rank r then moves its own shard to GPU r. The ranks join one process group (NCCL
+    on GPUs, gloo on CPUs, over the loopback device) and a gloo group for the calls. Each rank builds its
+    shard with `rank_weights` and a `ModelRunner` on it; rank 0's `prefill` and `decode` send the call
+    and its requests to every rank, then run it on rank 0's shard. When a rank fails the engine ends, and
+    rank 0 raises that rank's error.
+    """
+
+    GRACE = 1.0  # seconds the other ranks get to end by themselves when one fails
+
+    def __init__(self, model, config) -> None:
+        self.world_size, self.config = config.tensor_parallel_size, config
+        if dist.is_initialized():
+            raise ValueError("this process is in a process group already: close() the earlier tensor-parallel "
+                             "engine first")
+        if model.embed_tokens.is_cuda:
+            raise ValueError("give a tensor-parallel engine its model on the CPU (a folder is loaded there): each "
+                             "rank moves its own shard to its GPU")
+        self.use_gpus = torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1"
+        shard = rank_weights(model, 0, self.world_size)  # rank 0's first: an unfinished p07 stops here
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            address = f"tcp://127.0.0.1:{probe.getsockname()[1]}"
+        self._processes: list[tuple[int, int]] = []  # (pid, the read end of the pipe its error comes back on)
+        for rank in range(1, self.world_size):
+            read, write = os.pipe()
+            pid = os.fork()
+            if pid == 0:  # the new rank: it serves until rank 0 closes the engine, and never returns
+                os.close(read)
+                self._serve(rank, address, model, write)
+            os.close(write)
+            self._processes.append((pid, read))
+        self.closed = False
+        self.runner = self._join(0, address, shard)
+        self.num_blocks = self.runner.k_caches.shape[1]
+        atexit.register(self.close)
+
+    def prefill(self, requests: list) -> torch.Tensor:
+        return self._run("prefill", requests)
+
+    def decode(self, requests: list) -> torch.Tensor:
+        return self._run("decode", requests)
+
+    def close(self) -> None:
+        """End every rank and leave the process groups (once; also at exit)."""
+        if not self.closed:
+            self.closed = True
+            dist.broadcast_object_list([("close", None)], src=0, group=self.calls)
+            self._end(kill=False)
+
+    def _run(self, kind: str, requests: list):
+        if self.closed:
+            raise RuntimeError("the tensor-parallel engine is closed")
+        try:
+            dist.broadcast_object_list([(kind, requests)], src=0, group=self.calls)
+            return getattr(self.runner, kind)(requests)
+        except Exception as error:
+            self.closed = True
+            failure = self._end(kill=True)
+            in_a_collective = "torch/distributed" in traceback.extract_tb(error.__traceback__)[-1].filename
+            if failure is None or not in_a_collective:  # rank 0's own error says the most
+                raise
+            raise RuntimeError(failure) from None
+
+    def _join(self, rank: int, address: str, shard) -> ModelRunner:
+        """Join the process groups as `rank` and build the rank's runner on its shard."""
+        config = self.config
+        if self.use_gpus:
+            torch.cuda.set_device(rank)
+            for holder in (shard, *shard.layers):
+                for name, value in vars(holder).items():
+                    if isinstance(value, torch.Tensor):
+                        setattr(holder, name, value.to(f"cuda:{rank}"))
+        else:
+            os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # every rank is on this machine
+        dist.init_process_group("nccl" if self.use_gpus else "gloo", init_method=address, rank=rank,
+                                world_size=self.world_size, timeout=timedelta(minutes=10))
+        self.calls = dist.new_group(backend="gloo")
+        blocks = torch.tensor([config.num_blocks or LLM._blocks_that_fit(shard, config)])
+        dist.all_reduce(blocks, op=dist.ReduceOp.MIN, group=self.calls)  # a cache that fits on every rank
+        return ModelRunner(shard, int(blocks), config.block_size, config.max_num_seqs, config.max_model_len,
+                           config.cuda_graphs, getattr(config, "compile_layers", False), self.world_size)
+
+    def _serve(self, rank: int, address: str, model, report: int) -> None:
+        """A forked rank's life: join, then run rank 0's calls until it closes the engine."""
+        status = 0
+        try:
+            torch.set_num_threads(1)  # the parent's OpenMP threads are not in a forked process: one thread
+            try:
+                ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG: end when rank 0's process does
+            except (AttributeError, OSError):
+                pass
+            runner = self._join(rank, address, rank_weights(model, rank, self.world_size))
+            while True:
+                message = [None]
+                dist.broadcast_object_list(message, src=0, group=self.calls)
+                kind, requests = message[0]
+                if kind == "close":
+                    break
+                getattr(runner, kind)(requests)
+        except BaseException as error:  # noqa: BLE001 - sent to rank 0, which raises it
+            frame = traceback.extract_tb(error.__traceback__)[-1]
+            where = f" ({os.path.basename(frame.filename)}, line {frame.lineno}, in {frame.name})"
+            os.write(report, f"rank {rank}: {type(error).__name__}: {error}{where}".encode()[:4000])
+            status = 1
+        finally:
+            os._exit(status)
+
+    def _end(self, kill: bool) -> str | None:
+        """Wait for every other rank to end (after `GRACE` seconds, end it, when `kill`) and leave the
+        process groups; returns the first failed rank's error, if one failed."""
+        failure = None
+        for pid, read in self._processes:
+            if not self._ended(pid, self.GRACE if kill else 60.0):
+                os.kill(pid, signal.SIGKILL)
+                os.waitpid(pid, 0)
+            text = os.read(read, 4000).decode(errors="replace")  # the rank has ended: all it wrote
+            os.close(read)
+            failure = failure or text or None
+        self._processes = []
+        dist.destroy_process_group()
+        return failure
+
+    @staticmethod
+    def _ended(pid: int, seconds: float) -> bool:
+        """Whether process `pid` ends (and is reaped) within `seconds`."""
+        deadline = time.monotonic() + seconds
+        while os.waitpid(pid, os.WNOHANG) == (0, 0):
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.01)
+        return True
+
+
 class LLM:
     """The engine: a scheduler, a model runner and a sampler in a loop (write `generate` and `step`).
 
@@ -325,24 +521,34 @@ class LLM:
     `generator`, the draws of requests without a seed; `stats`, the counters `step` keeps:
     `prefill_steps`, `decode_steps`, `chunked_prefills` (prefill steps that computed part of a prompt),
     `cached_tokens` (prompt tokens the prefix cache served), `preemptions`, `tokens_out`.
+
+    With `tensor_parallel_size` > 1, `runner` is a `TensorParallel`, which your `step` calls as it calls a
+    `ModelRunner`; `close()` ends its ranks.
     """
 
     def __init__(self, model, config=None) -> None:
+        self.config = config = config if config is not None else EngineConfig()
+        tensor_parallel = getattr(config, "tensor_parallel_size", 1) > 1
         if isinstance(model, (str, Path)):
             model = load_pretrained(model)  # a local folder: never downloads; the tensors land on the CPU
-            if torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":  # compiled kernels: serve there
+            on_gpu = torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1"
+            if on_gpu and not tensor_parallel:  # compiled kernels: serve there (the ranks move their own shards)
                 for holder in (model, *model.layers):
                     for name, value in vars(holder).items():
                         if isinstance(value, torch.Tensor):
                             setattr(holder, name, value.cuda())
-        self.config = config = config if config is not None else EngineConfig()
         self.model = model
-        num_blocks = config.num_blocks or self._blocks_that_fit(model, config)
+        if tensor_parallel:
+            self.runner = TensorParallel(model, config)
+            num_blocks, device = self.runner.num_blocks, self.runner.runner.k_caches.device
+        else:
+            num_blocks = config.num_blocks or self._blocks_that_fit(model, config)
+            self.runner = ModelRunner(model, num_blocks, config.block_size, config.max_num_seqs, config.max_model_len,
+                                      config.cuda_graphs, getattr(config, "compile_layers", False))
+            device = model.embed_tokens.device
         self.scheduler = Scheduler(num_blocks, config.block_size, config.max_num_seqs,
                                    config.max_num_batched_tokens, config.eos_token_id)
-        self.runner = ModelRunner(model, num_blocks, config.block_size, config.max_num_seqs, config.max_model_len,
-                                  config.cuda_graphs, getattr(config, "compile_layers", False))
-        self.generator = torch.Generator(model.embed_tokens.device).manual_seed(0)
+        self.generator = torch.Generator(device).manual_seed(0)
         self.stats = dict.fromkeys(("prefill_steps", "decode_steps", "chunked_prefills", "cached_tokens",
                                     "preemptions", "tokens_out"), 0)
         self._params: dict[int, object] = {}  # request id -> its SamplingParams
@@ -383,6 +589,11 @@ class LLM:
             self._params.pop(request.request_id)
             self._generators.pop(request.request_id, None)
         return [list(request.completion_token_ids) for request in requests]
+
+    def close(self) -> None:
+        """End a tensor-parallel engine's ranks (given complete; nothing to do on one rank)."""
+        if isinstance(self.runner, TensorParallel):
+            self.runner.close()
 
     def step(self) -> list:
         """One step: schedule, run the model, sample, postprocess. Returns the requests that finished.

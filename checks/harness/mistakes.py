@@ -150,13 +150,17 @@ def catalogue(stem: str) -> Catalogue:
     )
 
 
-def identify(events: list, stem: str, tolerance_kind: str, time_limit: float) -> list[Mistake]:
-    """The catalogued mistakes whose replay of `events` reproduces the learner's outputs."""
+def identify(events: list, stem: str, tolerance_kind: str, time_limit: float,
+             only: Callable[[str], bool] | None = None) -> list[Mistake]:
+    """The catalogued mistakes (those whose id `only` accepts, when given) whose replay of `events`
+    reproduces the learner's outputs."""
     found = []
     key = _inputs_key(events)
     if any(memo[0] != stem for memo in _REPLAYED):
         _REPLAYED.clear()  # a run checks one module after another: keep only this one's replays
     for mistake in catalogue(stem).mistakes:
+        if only is not None and not only(mistake.id):
+            continue
         try:
             module = catalogue(stem).implementation(mistake).load(stem)
         except Exception:  # noqa: BLE001 - a stale mutant must not hide the learner's result

@@ -122,7 +122,8 @@ class Reporter:
         if guarded is None or not guarded.events or item.originalname in getattr(item.module, "UNNAMED", ()):
             return []
         kind = getattr(item.module, "TOLERANCE_KIND", "elementwise")
-        return [m.id for m in identify(guarded.events, stem, kind, guarded.time_limit)]
+        only = getattr(item.module, "NAMED_BY", {}).get(item.originalname)
+        return [m.id for m in identify(guarded.events, stem, kind, guarded.time_limit, only)]
 
     def pytest_sessionfinish(self, session):
         self.deny_missing()

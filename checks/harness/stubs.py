@@ -1,7 +1,7 @@
 """The learner's starting files, derived from the reference so the two can never drift.
 
-A stub keeps the reference's module docstring, imports and constants, keeps given classes whole
-(`KVCache` in m02 is part of the exercise's set-up, not of the exercise), drops private helpers, and
+A stub keeps the reference's module docstring, imports and constants, keeps given classes and functions
+whole (`KVCache` in m02 is part of the exercise's set-up, not of the exercise), drops private helpers, and
 keeps each public function's signature and docstring with a body that raises `NotImplementedError`
 naming the module and the function.
 
@@ -16,10 +16,12 @@ import re
 from pathlib import Path
 
 GIVEN_CLASSES = {"KVCache", "Sequence", "Block", "PrefillMetadata", "DecodeMetadata",  # classes a stub ships complete
-                 "Qwen3Layer", "Qwen3Weights", "Request", "SamplingParams", "EngineConfig", "TPLayer", "TPWeights"}
+                 "Qwen3Layer", "Qwen3Weights", "Request", "SamplingParams", "EngineConfig", "TPLayer", "TPWeights",
+                 "TensorParallel"}
 # methods of a learner's class that a stub ships complete
 GIVEN_METHODS = {"BlockManager.__init__", "Scheduler.__init__", "Scheduler.add", "Scheduler.is_finished",
-                 "ModelRunner.__init__", "LLM.__init__", "LLM._blocks_that_fit"}
+                 "ModelRunner.__init__", "LLM.__init__", "LLM.close", "LLM._blocks_that_fit"}
+GIVEN_FUNCTIONS = {"rank_weights"}  # functions a stub ships complete (set-up the exercise leans on)
 
 
 def make_stub(reference: str, stem: str) -> str:
@@ -35,7 +37,10 @@ def make_stub(reference: str, stem: str) -> str:
         if isinstance(node, ast.FunctionDef):
             if node.name.startswith("_"):
                 continue
-            parts.append(function_stub(node, lines, stem, node.name))
+            if node.name in GIVEN_FUNCTIONS:
+                parts.append("".join(lines[start : node.end_lineno]))
+            else:
+                parts.append(function_stub(node, lines, stem, node.name))
         elif isinstance(node, ast.ClassDef) and node.name.startswith("_"):
             continue  # a private helper class, like a private function
         elif isinstance(node, ast.ClassDef) and node.name not in GIVEN_CLASSES:

@@ -85,6 +85,25 @@ MISTAKES = [
                 "        return self._forward(input_ids, positions, torch.full_like(slot_mapping, -1), "
                 "lambda index, q, k, v: paged_decode("),
     ),
+    Mistake(
+        "tp-no-reduce-after-o-proj",
+        "on a rank of a tensor-parallel engine, o_proj's output used without its all_reduce",
+        "A rank's o_proj reads only its heads: its output is a partial sum, which dist.all_reduce completes before the residual add (p07's row-parallel rule).",
+        replace("    if reduce:\n        dist.all_reduce(projected)\n", ""),
+    ),
+    Mistake(
+        "tp-no-reduce-after-down",
+        "on a rank of a tensor-parallel engine, down_proj's output used without its all_reduce",
+        "down_proj reads the rank's share of the MLP's features: all_reduce its output before the second residual add.",
+        replace("    if reduce:\n        dist.all_reduce(mlp_out)\n", ""),
+    ),
+    Mistake(
+        "tp-logits-of-rank-zero-only",
+        "rank 0 samples from its own slice of the vocabulary, without the other ranks' logits",
+        "A rank holds V / tp rows of the tied embedding: the logits need parallel_lm_head, which gathers every rank's slice to rank 0.",
+        replace("        logits = parallel_lm_head(normed, model.embed_tokens)  # [B, V] on rank 0, None elsewhere\n",
+                "        logits = normed @ model.embed_tokens.T if dist.get_rank() == 0 else None  # [B, V/tp]\n"),
+    ),
 ]
 
 VARIANTS = [
@@ -99,4 +118,14 @@ BROKEN = [
     *everyday_breakage("    B, V = logits.shape", "probabilities"),
     Broken("wrong-dtype", replace("    return (probs / noise).argmax(dim=-1)", "    return (probs / noise).argmax(dim=-1).int()"),
            "int32"),
+    Broken("tp-rank-one-raises", replace(
+        "        logits = parallel_lm_head(normed, model.embed_tokens)  # [B, V] on rank 0, None elsewhere\n",
+        "        if dist.get_rank() == 1:\n            raise RuntimeError('rank 1 gives up')\n"
+        "        logits = parallel_lm_head(normed, model.embed_tokens)  # [B, V] on rank 0, None elsewhere\n"),
+        "rank 1: RuntimeError: rank 1 gives up"),
+    Broken("tp-rank-one-hangs", replace(
+        "        logits = parallel_lm_head(normed, model.embed_tokens)  # [B, V] on rank 0, None elsewhere\n",
+        "        while dist.get_rank() == 1:\n            pass\n"
+        "        logits = parallel_lm_head(normed, model.embed_tokens)  # [B, V] on rank 0, None elsewhere\n"),
+        "did not return within"),
 ]
