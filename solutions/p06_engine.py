@@ -34,7 +34,6 @@ import math
 import os
 import signal
 import socket
-import time
 import traceback
 from dataclasses import dataclass
 from datetime import timedelta
@@ -378,16 +377,27 @@ def rank_weights(model, rank: int, world_size: int) -> Qwen3Weights:
 class TensorParallel:
     """The ranks of a tensor-parallel engine, seen from rank 0 (given complete; `LLM` makes it).
 
-    Ranks 1 .. tp-1 are processes forked from this one, so they start with the model's tensors. A GPU
-    cannot be handed to a forked process, so the model must be on the CPU when the engine starts; on a
-    machine with GPUs, rank r then moves its own shard to GPU r. The ranks join one process group (NCCL
-    on GPUs, gloo on CPUs, over the loopback device) and a gloo group for the calls. Each rank builds its
-    shard with `rank_weights` and a `ModelRunner` on it; rank 0's `prefill` and `decode` send the call
-    and its requests to every rank, then run it on rank 0's shard. When a rank fails the engine ends, and
-    rank 0 raises that rank's error.
+    Ranks 1 .. tp-1 are processes of their own: forked on a CPU, so they start with the model's tensors
+    (and this folder's code) as they are; started afresh where the ranks use GPUs, since CUDA cannot run
+    in a forked process, importing this folder again and getting the model's tensors through shared
+    memory. Either way the model must be on the CPU when the engine starts, and with GPUs rank r moves
+    its own shard to GPU r. The ranks join one process group (NCCL on GPUs, gloo on CPUs, over the
+    loopback device) and a gloo group for the calls. Each rank builds its shard with `rank_weights` and a
+    `ModelRunner` on it; rank 0's `prefill` and `decode` send the call and its requests to every rank,
+    then run it on rank 0's shard. When a rank fails the engine ends, and rank 0 raises that rank's error.
     """
 
     GRACE = 1.0  # seconds the other ranks get to end by themselves when one fails
+    # What a freshly started rank runs: this folder as the same package, then the rank's life.
+    STARTED_AFRESH = (
+        "import importlib, sys, types\n"
+        "sys.dont_write_bytecode = True\n"
+        "package = types.ModuleType(PACKAGE)\n"
+        "package.__path__ = [FOLDER]\n"
+        "sys.modules[PACKAGE] = package\n"
+        "engine = importlib.import_module(PACKAGE + '.p06_engine')\n"
+        "engine.TensorParallel.serve_afresh(RANK, ADDRESS, MODEL, CONFIG, REPORT)\n"
+    )
 
     def __init__(self, model, config) -> None:
         self.world_size, self.config = config.tensor_parallel_size, config
@@ -398,19 +408,28 @@ class TensorParallel:
             raise ValueError("give a tensor-parallel engine its model on the CPU (a folder is loaded there): each "
                              "rank moves its own shard to its GPU")
         self.use_gpus = torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1"
+        if self.use_gpus and torch.cuda.device_count() < self.world_size:
+            raise ValueError(f"tensor_parallel_size {self.world_size} needs a GPU per rank; this machine has "
+                             f"{torch.cuda.device_count()}")
         shard = rank_weights(model, 0, self.world_size)  # rank 0's first: an unfinished p07 stops here
         with socket.socket() as probe:
             probe.bind(("127.0.0.1", 0))
             address = f"tcp://127.0.0.1:{probe.getsockname()[1]}"
-        self._processes: list[tuple[int, int]] = []  # (pid, the read end of the pipe its error comes back on)
+        start = torch.multiprocessing.get_context(self._start_method())
+        self._ranks = []  # (process, the end of the pipe its error comes back on)
         for rank in range(1, self.world_size):
-            read, write = os.pipe()
-            pid = os.fork()
-            if pid == 0:  # the new rank: it serves until rank 0 closes the engine, and never returns
-                os.close(read)
-                self._serve(rank, address, model, write)
-            os.close(write)
-            self._processes.append((pid, read))
+            reader, report = start.Pipe(duplex=False)
+            if start.get_start_method() == "fork":
+                target, args = self._serve, (rank, address, model, report)
+            else:  # a fresh interpreter: the model as plain tensors, this folder imported again
+                plain = {**vars(model), "layers": [vars(layer) for layer in model.layers]}
+                target, args = exec, (self.STARTED_AFRESH, {
+                    "PACKAGE": __package__, "FOLDER": os.path.dirname(os.path.abspath(__file__)), "RANK": rank,
+                    "ADDRESS": address, "MODEL": plain, "CONFIG": dict(vars(config)), "REPORT": report})
+            process = start.Process(target=target, args=args, daemon=True)
+            process.start()
+            report.close()
+            self._ranks.append((process, reader))
         self.closed = False
         self.runner = self._join(0, address, shard)
         self.num_blocks = self.runner.k_caches.shape[1]
@@ -428,6 +447,9 @@ class TensorParallel:
             self.closed = True
             dist.broadcast_object_list([("close", None)], src=0, group=self.calls)
             self._end(kill=False)
+
+    def _start_method(self) -> str:
+        return "spawn" if self.use_gpus else "fork"
 
     def _run(self, kind: str, requests: list):
         if self.closed:
@@ -462,11 +484,10 @@ class TensorParallel:
         return ModelRunner(shard, int(blocks), config.block_size, config.max_num_seqs, config.max_model_len,
                            config.cuda_graphs, getattr(config, "compile_layers", False), self.world_size)
 
-    def _serve(self, rank: int, address: str, model, report: int) -> None:
-        """A forked rank's life: join, then run rank 0's calls until it closes the engine."""
-        status = 0
+    def _serve(self, rank: int, address: str, model, report) -> None:
+        """A rank's life: join, then run rank 0's calls until it closes the engine."""
         try:
-            torch.set_num_threads(1)  # the parent's OpenMP threads are not in a forked process: one thread
+            torch.set_num_threads(1)  # a forked process has none of OpenMP's threads; one rank, one thread
             try:
                 ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG: end when rank 0's process does
             except (AttributeError, OSError):
@@ -479,38 +500,40 @@ class TensorParallel:
                 if kind == "close":
                     break
                 getattr(runner, kind)(requests)
+            dist.destroy_process_group()
         except BaseException as error:  # noqa: BLE001 - sent to rank 0, which raises it
             frame = traceback.extract_tb(error.__traceback__)[-1]
             where = f" ({os.path.basename(frame.filename)}, line {frame.lineno}, in {frame.name})"
-            os.write(report, f"rank {rank}: {type(error).__name__}: {error}{where}".encode()[:4000])
-            status = 1
-        finally:
-            os._exit(status)
+            report.send(f"rank {rank}: {type(error).__name__}: {error}{where}"[:4000])
+            raise SystemExit(1) from None
+
+    @classmethod
+    def serve_afresh(cls, rank: int, address: str, model: dict, config: dict, report) -> None:
+        """A freshly started rank (GPUs): the model and config back as objects, then `_serve`."""
+        layers = [Qwen3Layer(**layer) for layer in model["layers"]]
+        whole = Qwen3Weights(**{**model, "layers": layers})
+        ranks = cls.__new__(cls)
+        ranks.world_size, ranks.config = config["tensor_parallel_size"], EngineConfig(**config)
+        ranks.use_gpus = torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1"
+        ranks._serve(rank, address, whole, report)
 
     def _end(self, kill: bool) -> str | None:
         """Wait for every other rank to end (after `GRACE` seconds, end it, when `kill`) and leave the
         process groups; returns the first failed rank's error, if one failed."""
         failure = None
-        for pid, read in self._processes:
-            if not self._ended(pid, self.GRACE if kill else 60.0):
-                os.kill(pid, signal.SIGKILL)
-                os.waitpid(pid, 0)
-            text = os.read(read, 4000).decode(errors="replace")  # the rank has ended: all it wrote
-            os.close(read)
-            failure = failure or text or None
-        self._processes = []
+        for process, reader in self._ranks:
+            process.join(self.GRACE if kill else 60.0)
+            if process.is_alive():
+                process.kill()
+                process.join()
+            try:
+                failure = failure or (reader.recv() if reader.poll() else None)
+            except EOFError:  # the rank ended without a word: it did not fail
+                pass
+            reader.close()
+        self._ranks = []
         dist.destroy_process_group()
         return failure
-
-    @staticmethod
-    def _ended(pid: int, seconds: float) -> bool:
-        """Whether process `pid` ends (and is reaped) within `seconds`."""
-        deadline = time.monotonic() + seconds
-        while os.waitpid(pid, os.WNOHANG) == (0, 0):
-            if time.monotonic() > deadline:
-                return False
-            time.sleep(0.01)
-        return True
 
 
 class LLM:
