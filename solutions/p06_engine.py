@@ -477,7 +477,8 @@ class TensorParallel:
         else:
             os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # every rank is on this machine
         dist.init_process_group("nccl" if self.use_gpus else "gloo", init_method=address, rank=rank,
-                                world_size=self.world_size, timeout=timedelta(minutes=10))
+                                world_size=self.world_size, timeout=timedelta(minutes=10),
+                                **({"device_id": torch.device("cuda", rank)} if self.use_gpus else {}))
         self.calls = dist.new_group(backend="gloo")
         blocks = torch.tensor([config.num_blocks or LLM._blocks_that_fit(shard, config)])
         dist.all_reduce(blocks, op=dist.ReduceOp.MIN, group=self.calls)  # a cache that fits on every rank

@@ -238,7 +238,8 @@ class DecodeSteps:
     def __init__(self, llm) -> None:
         self.llm, self.rows, self._pending = llm, [], None
         step, decode = llm.step, llm.runner.decode
-        cuda = llm.runner.k_caches.device.type == "cuda"
+        runner = getattr(llm.runner, "runner", llm.runner)  # a tensor-parallel engine's: rank 0's runner
+        cuda = runner.k_caches.device.type == "cuda"
 
         def timed_decode(requests):
             keys = sum(len(r) for r in requests)  # a decode step reads len(request) keys per sequence

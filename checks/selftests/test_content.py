@@ -9,7 +9,7 @@ import torch
 from checks.harness.loader import ROOT, named
 from checks.harness.mistakes import catalogue
 from checks.harness.modules import front_matter, modules
-from checks.harness.stubs import stub_for
+from checks.harness.stubs import GIVEN_FUNCTIONS, stub_for
 from checks.harness.toys import load_toy
 from checks.selftests.conftest import shipped
 
@@ -47,7 +47,7 @@ def test_stub_is_what_reset_writes(stem):
 def test_stub_raises_not_implemented_naming_the_function(stem):
     tree = ast.parse(shipped(f"mine/{stem}.py"))
     for node in tree.body:
-        if isinstance(node, ast.FunctionDef):
+        if isinstance(node, ast.FunctionDef) and node.name not in GIVEN_FUNCTIONS:
             raised = node.body[-1]
             assert isinstance(raised, ast.Raise) and "NotImplementedError" in ast.unparse(raised)
             assert node.name in ast.unparse(raised)
