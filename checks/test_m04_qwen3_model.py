@@ -11,7 +11,6 @@ An optional check runs real Qwen3 weights from a local folder named by KVLAB_QWE
 import dataclasses
 import os
 import shutil
-from dataclasses import dataclass
 from functools import cache
 from types import SimpleNamespace
 
@@ -24,13 +23,14 @@ from checks.harness.guard import Returns
 from checks.harness.oracles import (
     SUB_STEPS,
     LayerWeights,
+    ModelCase,
     ModelWeights,
     hf_causal_lm,
     hf_greedy,
-    hf_logits_and_steps,
     hf_mlp,
     hf_model_config,
     hf_state_dict,
+    model_case,
     rope_tables,
 )
 from checks.harness.toys import load_toy
@@ -82,31 +82,16 @@ STEP_NAMES = {"input_norm": "input norm", "attention": "attention", "post_attent
 TOY = load_toy("m04_qwen3_model")
 
 
-@dataclass(frozen=True)
-class Case:
-    w: ModelWeights  # in the case's dtype
-    prompt: torch.Tensor  # [P] int64
-    logits: torch.Tensor  # [P, V] float64: HF on these very weights and tokens
-    steps: dict  # (layer, step) -> [P, hidden] float64: HF's sub-step outputs, for the diagnosis
-
-
 def random_weights(gen, layout: str) -> ModelWeights:
-    V, hidden, intermediate, L, H, KVH, D = LAYOUTS[layout]
-    return ModelWeights.random(gen, V, hidden, intermediate, L, H, KVH, D)
+    return ModelWeights.random(gen, *LAYOUTS[layout])  # (V, hidden, I, L, H, KVH, D)
+
+
+def hf_case(seed: int, layout: str, dtype: torch.dtype, P: int) -> ModelCase:
+    return model_case(seed, LAYOUTS[layout], dtype, P)
 
 
 @cache
-def hf_case(seed: int, layout: str, dtype: torch.dtype, P: int) -> Case:
-    """Random weights and a prompt of P tokens from `seed`; HF's logits and sub-steps in float64 (once per case)."""
-    gen = torch.Generator().manual_seed(seed)
-    w = random_weights(gen, layout).to(dtype)
-    prompt = torch.randint(0, w.embed_tokens.shape[0], (P,), generator=gen)
-    logits, steps = hf_logits_and_steps(hf_causal_lm(w.to(torch.float64), torch.float64), prompt)
-    return Case(w, prompt, logits, steps)
-
-
-@cache
-def greedy_case(seed: int, layout: str) -> tuple[Case, torch.Tensor]:
+def greedy_case(seed: int, layout: str) -> tuple[ModelCase, torch.Tensor]:
     """An fp32 case and HF generate's NEW_TOKENS greedy tokens for its prompt.
 
     Greedy tokens are a fair demand only when no step is a near-tie that an fp32 rounding could flip:
@@ -132,7 +117,7 @@ class StepRecorder:
         self.seen.setdefault((layer, step), value)
 
 
-def first_difference(recorder: StepRecorder, case: Case, layers: int | None = None) -> str:
+def first_difference(recorder: StepRecorder, case: ModelCase, layers: int | None = None) -> str:
     """Where the learner's model first leaves HF's, from the values their trace reported (all layers, or
     the first `layers`)."""
     if not recorder.seen:

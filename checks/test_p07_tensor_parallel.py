@@ -18,7 +18,15 @@ import torch
 
 from checks.harness.compare import Mismatch, expect_close, tolerance
 from checks.harness.guard import LearnerError
-from checks.harness.oracles import LayerWeights, ModelWeights, hf_causal_lm, hf_greedy, hf_logits_and_steps, rope_tables
+from checks.harness.oracles import (
+    LayerWeights,
+    ModelCase,
+    ModelWeights,
+    hf_causal_lm,
+    hf_greedy,
+    model_case,
+    rope_tables,
+)
 from checks.harness.ranks import ranks
 from checks.harness.toys import load_toy
 
@@ -109,25 +117,11 @@ def rank_model(w: ModelWeights, rank: int, tp: int) -> RankModel:
 
 
 def random_weights(gen, layout: str) -> ModelWeights:
-    V, hidden, intermediate, L, H, KVH, D = LAYOUTS[layout]
-    return ModelWeights.random(gen, V, hidden, intermediate, L, H, KVH, D)
+    return ModelWeights.random(gen, *LAYOUTS[layout])  # (V, hidden, I, L, H, KVH, D)
 
 
-@dataclass(frozen=True)
-class Case:
-    w: ModelWeights  # in the case's dtype
-    prompt: torch.Tensor  # [P]
-    logits: torch.Tensor  # [P, V] float64, HF on these weights
-    steps: dict  # (layer, step) -> float64, HF's sub-steps ("output": a layer's output)
-
-
-@cache
-def hf_case(seed: int, layout: str, dtype: torch.dtype, P: int) -> Case:
-    gen = torch.Generator().manual_seed(seed)
-    w = random_weights(gen, layout).to(dtype)
-    prompt = torch.randint(0, w.embed_tokens.shape[0], (P,), generator=gen)
-    logits, steps = hf_logits_and_steps(hf_causal_lm(w.to(torch.float64), torch.float64), prompt)
-    return Case(w, prompt, logits, steps)
+def hf_case(seed: int, layout: str, dtype: torch.dtype, P: int) -> ModelCase:
+    return model_case(seed, LAYOUTS[layout], dtype, P)
 
 
 # ---- reading what the ranks return ----------------------------------------------------------------------
@@ -421,7 +415,7 @@ def test_chunked_calls_with_caches(impl, seed):
 
 
 @cache
-def greedy_case(seed: int) -> tuple[Case, torch.Tensor]:
+def greedy_case(seed: int) -> tuple[ModelCase, torch.Tensor]:
     """An fp32 case whose greedy steps are never near-ties (else the next seed's), with HF generate's tokens."""
     for attempt in range(20):
         case = hf_case(seed * 100 + attempt, "H4-KVH2", torch.float32, 7)

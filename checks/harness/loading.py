@@ -123,7 +123,7 @@ class Package:
         causes, seen = [], error  # innermost first: Triton wraps an error in a kernel's line as the cause
         while seen is not None and len(causes) < 8:
             causes.insert(0, seen)
-            seen = seen.__cause__ or seen.__context__
+            seen = seen.__cause__ or (None if seen.__suppress_context__ else seen.__context__)  # `from None` ends it
         for cause in causes:
             for frame in reversed(traceback.extract_tb(cause.__traceback__)):
                 shown = self.shown_file(frame.filename)

@@ -6,6 +6,7 @@ gives the "truth" the kit's self-tests use to justify its tolerances.
 """
 
 from dataclasses import dataclass, fields, replace
+from functools import cache
 
 import torch
 from torch import nn
@@ -330,6 +331,27 @@ def hf_logits_and_steps(model: modeling_qwen3.Qwen3ForCausalLM, token_ids: torch
         for hook in hooks:
             hook.remove()
     return logits, steps
+
+
+@dataclass(frozen=True)
+class ModelCase:
+    """Random weights and a prompt with HF's float64 logits and sub-steps on them (m04's and p07's checks)."""
+
+    w: ModelWeights  # in the case's dtype
+    prompt: torch.Tensor  # [P] int64
+    logits: torch.Tensor  # [P, V] float64: HF on these very weights and tokens
+    steps: dict  # (layer, step) -> [P, hidden] float64: HF's sub-step outputs ("output": the layer's), for diagnoses
+
+
+@cache
+def model_case(seed: int, dims: tuple, dtype: torch.dtype, P: int) -> ModelCase:
+    """`ModelWeights.random` of `dims` (V, hidden, I, L, H, KVH, D) in `dtype` and a prompt of P tokens from
+    `seed`; HF's logits and sub-steps in float64 (once per case)."""
+    gen = torch.Generator().manual_seed(seed)
+    w = ModelWeights.random(gen, *dims).to(dtype)
+    prompt = torch.randint(0, w.embed_tokens.shape[0], (P,), generator=gen)
+    logits, steps = hf_logits_and_steps(hf_causal_lm(w.to(torch.float64), torch.float64), prompt)
+    return ModelCase(w, prompt, logits, steps)
 
 
 def hf_greedy(model: modeling_qwen3.Qwen3ForCausalLM, prompt_ids: torch.Tensor, new_tokens: int):
