@@ -38,6 +38,7 @@ import traceback
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
+from types import SimpleNamespace
 from typing import NamedTuple
 
 import torch
@@ -357,6 +358,19 @@ class ModelRunner:
         torch.cuda.synchronize()
 
 
+def serves_on_gpus() -> bool:
+    """Whether the engine's kernels run compiled on GPUs here: a GPU, and TRITON_INTERPRET unset (given complete)."""
+    return torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1"
+
+
+def move_weights(model, device) -> None:
+    """Move every tensor of `model` and of its layers to `device`, in place (given complete)."""
+    for holder in (model, *model.layers):
+        for name, value in vars(holder).items():
+            if isinstance(value, torch.Tensor):
+                setattr(holder, name, value.to(device))
+
+
 def rank_weights(model, rank: int, world_size: int) -> Qwen3Weights:
     """Rank `rank`'s shard of `model` as m04 weights (given complete): your p07 `shard_model`, each layer's
     fused qkv split back into the rank's q, k and v rows and its gate_up into gate and up, so the runner's
@@ -407,7 +421,7 @@ class TensorParallel:
         if model.embed_tokens.is_cuda:
             raise ValueError("give a tensor-parallel engine its model on the CPU (a folder is loaded there): each "
                              "rank moves its own shard to its GPU")
-        self.use_gpus = torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1"
+        self.use_gpus = serves_on_gpus()
         if self.use_gpus and torch.cuda.device_count() < self.world_size:
             raise ValueError(f"tensor_parallel_size {self.world_size} needs a GPU per rank; this machine has "
                              f"{torch.cuda.device_count()}")
@@ -470,10 +484,7 @@ class TensorParallel:
         config = self.config
         if self.use_gpus:
             torch.cuda.set_device(rank)
-            for holder in (shard, *shard.layers):
-                for name, value in vars(holder).items():
-                    if isinstance(value, torch.Tensor):
-                        setattr(holder, name, value.to(f"cuda:{rank}"))
+            move_weights(shard, torch.device("cuda", rank))
         else:
             os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # every rank is on this machine
         dist.init_process_group("nccl" if self.use_gpus else "gloo", init_method=address, rank=rank,
@@ -514,8 +525,8 @@ class TensorParallel:
         layers = [Qwen3Layer(**layer) for layer in model["layers"]]
         whole = Qwen3Weights(**{**model, "layers": layers})
         ranks = cls.__new__(cls)
-        ranks.world_size, ranks.config = config["tensor_parallel_size"], EngineConfig(**config)
-        ranks.use_gpus = torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1"
+        ranks.world_size, ranks.config = config["tensor_parallel_size"], SimpleNamespace(**config)
+        ranks.use_gpus = serves_on_gpus()
         ranks._serve(rank, address, whole, report)
 
     def _end(self, kill: bool) -> str | None:
@@ -555,12 +566,8 @@ class LLM:
         tensor_parallel = getattr(config, "tensor_parallel_size", 1) > 1
         if isinstance(model, (str, Path)):
             model = load_pretrained(model)  # a local folder: never downloads; the tensors land on the CPU
-            on_gpu = torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1"
-            if on_gpu and not tensor_parallel:  # compiled kernels: serve there (the ranks move their own shards)
-                for holder in (model, *model.layers):
-                    for name, value in vars(holder).items():
-                        if isinstance(value, torch.Tensor):
-                            setattr(holder, name, value.cuda())
+            if serves_on_gpus() and not tensor_parallel:  # compiled kernels: serve there (ranks move their shards)
+                move_weights(model, torch.device("cuda"))
         self.model = model
         if tensor_parallel:
             self.runner = TensorParallel(model, config)

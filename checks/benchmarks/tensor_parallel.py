@@ -30,6 +30,7 @@ from checks.benchmarks.engine import (
     A_PROMPTS,
     MODEL,
     DecodeSteps,
+    copy_bandwidth,
     engine_config,
     random_weights,
     release,
@@ -61,6 +62,7 @@ def main() -> int:
     print(f"engine ({args.impl}) at tensor_parallel_size 1 and {args.tp} on {torch.cuda.get_device_name()} x {gpus}; "
           f"torch {torch.__version__}, NCCL {'.'.join(map(str, torch.cuda.nccl.version()))}")
     w = random_weights(torch.device("cuda"))
+    bandwidth = copy_bandwidth(torch.device("cuda"))
     print(f"Qwen3-0.6B's shapes, random bf16 weights: {weight_bytes(w) / 1e9:.3f} GB read by a decode step at tp 1, "
           f"{weight_bytes(w) / args.tp / 1e9:.3f} GB per rank at tp {args.tp}")
     gen = torch.Generator().manual_seed(1)
@@ -90,10 +92,10 @@ def main() -> int:
           f"{collectives['eager'] * 1e3:.3f} ms eager, {collectives['graph'] * 1e3:.3f} ms replayed from a CUDA "
           f"graph ({collectives['graph'] / calls * 1e6:.1f} us per collective); that is "
           f"{collectives['graph'] / many['step']:.0%} of a tp {args.tp} decode step")
-    print(f"  why: a decode step at tp 1 takes {one['step'] * 1e3:.3f} ms, of which reading the weights at about "
-          f"4.8 TB/s is {weight_bytes(cpu) / 4.8e12 * 1e3:.3f} ms; tp {args.tp} can save at most part of that, "
-          f"while each of the {calls} collectives costs a fixed latency of some microseconds whatever its size, so "
-          f"a model this small gains little or loses")
+    print(f"  why: a decode step at tp 1 takes {one['step'] * 1e3:.3f} ms, of which reading the weights at the "
+          f"measured copy bandwidth ({bandwidth / 1e12:.2f} TB/s) is {weight_bytes(cpu) / bandwidth * 1e3:.3f} ms; "
+          f"tp {args.tp} can save at most part of that, while each of the {calls} collectives costs a fixed "
+          f"latency of some microseconds whatever its size, so a model this small gains little or loses")
     return 0
 
 

@@ -21,7 +21,8 @@ GIVEN_CLASSES = {"KVCache", "Sequence", "Block", "PrefillMetadata", "DecodeMetad
 # methods of a learner's class that a stub ships complete
 GIVEN_METHODS = {"BlockManager.__init__", "Scheduler.__init__", "Scheduler.add", "Scheduler.is_finished",
                  "ModelRunner.__init__", "LLM.__init__", "LLM.close", "LLM._blocks_that_fit"}
-GIVEN_FUNCTIONS = {"rank_weights"}  # functions a stub ships complete (set-up the exercise leans on)
+# functions a stub ships complete (set-up the exercise leans on)
+GIVEN_FUNCTIONS = {"serves_on_gpus", "move_weights", "rank_weights"}
 
 
 def make_stub(reference: str, stem: str) -> str:
