@@ -133,11 +133,7 @@ def random_prompts(gen: torch.Generator, vocab: int, lengths) -> list[list[int]]
 def engine(impl, run: Run) -> Run:
     """Build the learner's engine and generate; check the outputs' form (not yet their tokens)."""
     llm = impl.LLM(on_device(run.w), run.config)
-    try:
-        outputs = llm.generate([list(p) for p in run.prompts], list(run.params))
-    finally:
-        if run.config.tensor_parallel_size > 1:  # end the ranks (and leave the process group) whatever happened
-            llm.close()
+    outputs = llm.generate([list(p) for p in run.prompts], list(run.params))
     if not isinstance(outputs, list) or len(outputs) != len(run.prompts):
         count = len(outputs) if hasattr(outputs, "__len__") else "?"
         raise Mismatch(f"generate returned {type(outputs).__name__} of {count} "
@@ -153,6 +149,8 @@ def engine(impl, run: Run) -> Run:
     if not isinstance(stats, dict):
         raise Mismatch(f"LLM.stats is {type(stats).__name__}, expected the dict of counters __init__ sets up")
     run.outputs, run.stats = outputs, dict(stats)
+    if run.config.tensor_parallel_size > 1:  # after a failure the ranks end with the error, or with the worker
+        llm.close()
     return run
 
 
