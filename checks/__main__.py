@@ -64,6 +64,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--until-named", action="store_true",
                         help="with --impl mutants: stop checking a mutant once a check rejects it by its name (the "
                              "kit's self-tests use it to try the catalogue on more seeds)")
+    parser.add_argument("--named-first", metavar="RESULTS", action="append",
+                        help="with --until-named: try each mutant first on the checks that named it in RESULTS (an "
+                             "earlier run's --json)")
     parser.add_argument("--out", metavar="DIR", help="with book: the folder to write the book to (default .kvlab/book)")
     args = parser.parse_args(argv)
 
@@ -136,9 +139,19 @@ def watch(selected, args) -> int:
         args.seed = random.randrange(10_000)
     names = ", ".join(m.id for m in selected)
     waiting = f"watching {display(folder)}/*.py: each save checks {names} again (Ctrl-C stops)"
-    run(selected, args, extra=["--keep-server"])
+    stopped_by: list[int] = []
+
+    def interrupted(signum, frame):  # SIGTERM stops a watch as Ctrl-C does
+        stopped_by.append(signum)
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, interrupted)
     announced = False
-    try:  # an empty set every 200 ms: the first says the watcher is in place, so no save can slip by unseen
+    try:
+        code = run(selected, args, extra=["--keep-server"])
+        if code >= 128:  # stopped during the run
+            return code
+        # an empty set every 200 ms: the first says the watcher is in place, so no save can slip by unseen
         for changes in watchfiles.watch(folder, watch_filter=lambda change, path: path.endswith(".py"), debounce=300,
                                         step=10, recursive=False, rust_timeout=200, yield_on_timeout=True):
             if not changes:
@@ -147,10 +160,13 @@ def watch(selected, args) -> int:
                     announced = True
                 continue
             started = time.perf_counter()
-            run(selected, args, extra=["--keep-server"])
+            code = run(selected, args, extra=["--keep-server"])
+            if code >= 128:
+                return code
             print(f"\n{time.perf_counter() - started:.2f} s from the save to this verdict · {waiting}", flush=True)
     except KeyboardInterrupt:
-        print()
+        print("\n./check.sh: interrupted: the watch ends", file=sys.stderr)
+        return 128 + (stopped_by[0] if stopped_by else signal.SIGINT)
     finally:
         from checks.conftest import KEPT
 
@@ -212,6 +228,7 @@ def run(selected, args, impls: list[str] | None = None, extra: list[str] = (), r
             return 2
     pytest_args = [str(m.checks) for m in selected] + [
         "--time-limit", str(args.time_limit), "--memory-limit", str(args.memory_limit), "-p", "no:cacheprovider",
+        "-p", "no:logging",  # the checks log nothing; its capture costs ~7% of a run over many cases
         "--rootdir", str(ROOT), "-c", str(ROOT / "pyproject.toml"), *extra,
     ]
     for label in impls:
@@ -222,23 +239,38 @@ def run(selected, args, impls: list[str] | None = None, extra: list[str] = (), r
         pytest_args += ["-k", args.k]
     if args.until_named:
         pytest_args += ["--until-named"]
+        for earlier in args.named_first or []:
+            pytest_args += ["--named-first", earlier]
     if not args.pytest:
         pytest_args += ["-p", "no:terminal", "-s"]  # -s: a learner's print() shows up while debugging
     reporter = reporter or Reporter(None, render=True)
     code = None
+    stopped_by: list[int] = []
 
     def interrupted(signum, frame):  # a `timeout` or a grader's kill: stop the checks, still write --json
+        stopped_by.append(signum)
         raise KeyboardInterrupt
 
-    signal.signal(signal.SIGTERM, interrupted)
+    previous = signal.signal(signal.SIGTERM, interrupted)
     try:
         code = pytest.main(pytest_args, plugins=[_Attach(reporter)])
+    except KeyboardInterrupt:  # a second Ctrl-C while pytest was already winding down
+        code = pytest.ExitCode.INTERRUPTED
     finally:
+        signal.signal(signal.SIGTERM, previous)
         results = reporter.results
         if args.json:  # always written: a run cut short says so, it never leaves an old file or none
             seed = getattr(reporter.config, "kvlab_seed", None)
             complete = code in (pytest.ExitCode.OK, pytest.ExitCode.TESTS_FAILED)
             Path(args.json).write_text(json.dumps(to_json(results, seed, complete=complete), indent=1))
+    if code == pytest.ExitCode.INTERRUPTED:
+        results = reporter.results
+        done = sum(r.status in ("passed", "skipped") for r in results)
+        modules_done = ", ".join(dict.fromkeys(r.module.split("_")[0] for r in results)) or "none"
+        print(f"./check.sh: interrupted: {len(results)} checks had finished ({done} passed; modules reached: "
+              f"{modules_done}); the workers were stopped{'; --json marks the run incomplete' if args.json else ''}",
+              file=sys.stderr)
+        return 128 + (stopped_by[0] if stopped_by else signal.SIGINT)
     if code == pytest.ExitCode.NO_TESTS_COLLECTED and args.k:
         print(f"./check.sh: no check of {', '.join(m.id for m in selected)} matches -k {args.k!r} "
               "(it matches words of the checks' names, e.g. -k decode)", file=sys.stderr)

@@ -28,14 +28,25 @@ from checks.harness.worker import DEFAULT_MEMORY_LIMIT
 
 sys.dont_write_bytecode = True  # sibling imports in a checked folder must not leave __pycache__ there
 
-# Labels --impl accepts besides folders: the catalogue's mutants, variants and broken samples.
-GROUPS = {"mutants": "mistakes", "variants": "variants", "broken": "broken"}
+# Labels --impl accepts besides folders: the catalogue's mutants, variants and broken samples; and the broken
+# samples split in two, those that hang (each costs a whole time limit) and the rest (the kit's self-tests
+# give the hanging ones a short limit, the rest the learner's own).
+GROUPS = {"mutants": "mistakes", "variants": "variants", "broken": "broken", "hangs": "broken",
+          "crashes": "broken"}
+
+
+def _hangs(entry) -> bool:
+    return entry.id.endswith(("hang", "hangs"))
+
+
+GROUP_FILTERS = {"hangs": _hangs, "crashes": lambda entry: not _hangs(entry)}
 
 
 def pytest_addoption(parser):
     group = parser.getgroup("kvlab", "KV Lab checks")
     group.addoption("--impl", action="append", default=None,
-                    help="mine (default), solutions, a folder with the same file names, or mutants/variants/broken")
+                    help="mine (default), solutions, a folder with the same file names, or mutants/variants/broken "
+                         "(broken = hangs + crashes)")
     group.addoption("--seed", type=int, default=None, help="base seed of every case (default: random, printed)")
     group.addoption("--time-limit", type=float, default=10.0, help="seconds one learner call may take")
     group.addoption("--memory-limit", type=float, default=DEFAULT_MEMORY_LIMIT / 2**30,
@@ -46,6 +57,9 @@ def pytest_addoption(parser):
     group.addoption("--shown", default=None, help="how reports name the checked folder (./check.sh grade)")
     group.addoption("--until-named", action="store_true",
                     help="skip a mutant's remaining checks once one rejects it by its own name")
+    group.addoption("--named-first", metavar="RESULTS", action="append", default=None,
+                    help="with --until-named: check each mutant first with the checks that named it in RESULTS "
+                         "(an earlier run's --json), then with the rest")
     group.addoption("--keep-server", action="store_true",
                     help="keep the workers' fork server for the next run in this process (./check.sh --watch)")
 
@@ -99,11 +113,39 @@ class _CloseRuns:
             self.runs.close()
 
 
+def pytest_collection_modifyitems(config, items):
+    """With --until-named --named-first: each mutant's checks together, the ones that named it in the earlier
+    run first. The verdict asked for is the same (named by some check on this seed); the checks that rarely
+    name it run only when the likely ones did not."""
+    earlier = config.getoption("--named-first", None)
+    if not (earlier and config.getoption("--until-named")):
+        return
+    import json
+
+    rows = [r for path in earlier for r in json.loads(Path(path).read_text())["results"]]
+    named = {(r["impl"], r["nodeid"].split("[")[0]) for r in rows if r["impl"].rsplit(":", 1)[-1] in r["mistakes"]}
+
+    def impl_of(item) -> str:
+        params = getattr(item, "callspec", None)
+        return params.params["impl"].label if params and "impl" in params.params else ""
+
+    def key(position: int):  # a module's items stay together (its workers end with it)
+        item = items[position]
+        likely = (impl_of(item), item.nodeid.split("[")[0]) in named
+        return (module_order[item.module], impl_of(item), not likely, position)
+
+    module_order = {}
+    for item in items:
+        module_order.setdefault(item.module, len(module_order))
+    items[:] = [items[i] for i in sorted(range(len(items)), key=key)]
+
+
 def implementations(config, stem: str) -> list[Implementation]:
     found = []
     for label in config.getoption("--impl") or ["mine"]:
         if label in GROUPS:
             entries = getattr(catalogue(stem), GROUPS[label])
+            entries = [e for e in entries if GROUP_FILTERS.get(label, bool)(e)]
             found += [catalogue(stem).implementation(e) for e in entries]
         else:
             impl = named(label)

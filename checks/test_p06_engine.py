@@ -70,6 +70,10 @@ LAYOUTS = {
     "L2-H4-KVH2-D16": (96, 48, 80, 2, 4, 2, 16),
     "L2-H2-KVH1-D16": (64, 32, 48, 2, 2, 1, 16),
 }
+# The sampler's distribution needs many requests and nothing of the layers: one layer and one head keep its
+# engine run cheap (the kernels' interpreter pays per program, one per request and head).
+ONE_HEAD = "L1-H1-KVH1-D16"
+SHAPES = {**LAYOUTS, ONE_HEAD: (64, 32, 48, 1, 1, 1, 16)}
 NEAR_TIE = 0.03  # float16 logits of these models are within 0.009 of float64 (measured): a 3x margin
 MODULES = ("m01_rmsnorm", "m03_rope", "m04_qwen3_model", "p01_block_manager", "p02_store_kvcache",
            "p03_flash_attention", "p04_paged_decode", "p05_scheduler", "p06_engine", "p07_tensor_parallel")
@@ -117,7 +121,7 @@ class Run:
 @cache
 def weights(seed: int, layout: str) -> ModelWeights:
     gen = torch.Generator().manual_seed(seed)
-    return ModelWeights.random(gen, *LAYOUTS[layout]).to(torch.float16)
+    return ModelWeights.random(gen, *SHAPES[layout]).to(torch.float16)
 
 
 def on_device(w: ModelWeights) -> ModelWeights:
@@ -329,7 +333,7 @@ def test_sample_is_the_exponential_race(impl, gen):
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_greedy_matches_hf(request, impl, seed, layout):
     """greedy tokens of a batch of prompts of different lengths are HF's"""
-    greedy_against_hf(request, impl, seed, layout, (3, 9, 14, 6), Params(), Config(), "greedy batch")
+    greedy_against_hf(request, impl, seed, layout, (5, 13), Params(max_tokens=4), Config(), "greedy batch")
 
 
 def greedy_against_hf(request, impl, seed: int, layout: str, lengths, params: Params, config: Config, what: str,
@@ -376,15 +380,15 @@ def test_prefix_hits_are_served_and_counted(request, impl, seed):
 
 def test_preemption_keeps_the_tokens(request, impl, seed):
     """a cache too small for every request at once preempts and recomputes, and keeps HF's tokens"""
-    # each needs ceil((P + 10 - 1) / 4) = 4 blocks by its end; 8 blocks hold two
-    greedy_against_hf(request, impl, seed, "L2-H2-KVH1-D16", (5, 6, 7), Params(max_tokens=10), Config(num_blocks=8),
+    # each needs ceil((P + 7 - 1) / 4) = 3, 3 and 4 blocks by its end; 6 blocks hold two of them at most
+    greedy_against_hf(request, impl, seed, "L2-H2-KVH1-D16", (5, 6, 7), Params(max_tokens=7), Config(num_blocks=6),
                       "with preemption", ("preemptions", lambda n: n >= 1,
-                                          "at least 1: three requests needing 4 blocks each share 8 blocks"))
+                                          "at least 1: three requests needing 3 to 4 blocks each share 6 blocks"))
 
 
 def test_chunked_prefill_keeps_the_tokens(request, impl, seed):
     """a token budget of 5 chunks the prompts, and the tokens stay HF's"""
-    greedy_against_hf(request, impl, seed, "L2-H4-KVH2-D16", (13, 7, 4), Params(max_tokens=4),
+    greedy_against_hf(request, impl, seed, "L2-H2-KVH1-D16", (13, 7, 4), Params(max_tokens=4),
                       Config(max_num_batched_tokens=5), "chunked prefill (budget 5)",
                       ("chunked_prefills", lambda n: n >= 2, "at least 2: a 13-token prompt under a budget of 5"))
 
@@ -415,9 +419,9 @@ def test_stops_at_eos_unless_ignored(request, impl, seed):
 
 def test_seeded_requests_do_not_depend_on_the_batch(request, impl, seed):
     """a seeded request samples the same tokens alone and in a chunked batch with others"""
-    layout = "L2-H4-KVH2-D16"
+    layout = "L2-H2-KVH1-D16"
     gen = torch.Generator().manual_seed(seed)
-    prompts = random_prompts(gen, 96, (11, 5, 8))
+    prompts = random_prompts(gen, 64, (9, 5, 6))
     mine = Params(temperature=0.9, top_p=0.9, max_tokens=5, seed=seed % 10_000)
     others = [Params(temperature=1.0, max_tokens=4), Params(max_tokens=3)]
     alone = Run(weights(seed, layout), prompts[:1], [mine], Config())
@@ -464,12 +468,12 @@ def test_engine_loads_a_local_checkpoint_folder(request, impl, seed, tmp_path):
 # The chi-square test below fails a correct engine with probability FALSE_ALARM for a given seed; the
 # seed is fixed per run (printed by the report), so a verdict is reproducible.
 FALSE_ALARM = 1e-4
-DRAWS = 64
+DRAWS = 48  # with top-3, each kept token is expected ~8 times or more for the logits these models give
 
 
 def test_first_token_follows_the_distribution(request, impl, seed):
-    """the first sampled token of 64 seeded requests follows HF's top-3 distribution (chi-square, 1e-4)"""
-    layout = "L2-H2-KVH1-D16"
+    """the first sampled token of 48 seeded requests follows HF's top-3 distribution (chi-square, 1e-4)"""
+    layout = ONE_HEAD
     gen = torch.Generator().manual_seed(seed)
     prompt = random_prompts(gen, 64, (6,))[0]
     params = [Params(temperature=1.5, top_k=3, max_tokens=1, seed=seed % 10_000 * 1000 + i) for i in range(DRAWS)]
@@ -510,8 +514,8 @@ def test_two_ranks_give_the_tokens_of_one(request, impl, seed):
     layout = "L2-H4-KVH2-D16"  # 2 query heads and 1 kv head per rank; V 96 and I 80 split in two
     gen = torch.Generator().manual_seed(seed)
     shared = random_prompts(gen, 96, (8,))[0]
-    prompts = [shared + tail for tail in random_prompts(gen, 96, (5, 1))] + random_prompts(gen, 96, (7,))
-    params = [Params(max_tokens=5)] * len(prompts)
+    prompts = [shared + tail for tail in random_prompts(gen, 96, (3, 1))] + random_prompts(gen, 96, (5,))
+    params = [Params(max_tokens=4)] * len(prompts)
     one = Run(weights(seed, layout), prompts, params, Config(max_num_batched_tokens=8))
     two = Run(one.w, prompts, params, Config(max_num_batched_tokens=8, tensor_parallel_size=2))
 
@@ -521,7 +525,7 @@ def test_two_ranks_give_the_tokens_of_one(request, impl, seed):
         if two.outputs != one.outputs:  # both may be right only where HF's two best logits nearly tie
             expect_greedy(two, seed, layout, "on two ranks")
         expect_count(two, "chunked_prefills", lambda n: n >= 1,
-                     "at least 1: prompts of 13, 9 and 7 under a budget of 8")
+                     "at least 1: prompts of 11, 9 and 5 under a budget of 8")
         expect_count(two, "cached_tokens", lambda n: n >= 8, "at least 8: two prompts share two full blocks")
 
     with_blame(request, impl, scenario)

@@ -22,6 +22,7 @@ plain data (weights dataclasses, namespaces) arrive as records with the same fie
 """
 
 import dataclasses
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -286,6 +287,7 @@ class Guarded:
         self.path = self.impl.shown_path(stem)
         self.events: list[Call | New] = []
         self.called: list[str] = []  # every learner function or method the check called, in order (progress)
+        self.slowest = 0.0  # seconds of the longest call (the self-tests hold the reference far below the limit)
         self.made: set[int] = set()
         self.watch: TensorWatch | None = None
         run.guarded = self
@@ -332,12 +334,15 @@ class Guarded:
             message = ("method", target[0], target[1], name, args, kwargs, write_keys, watch)
         else:
             message = ("call", target, name, args, kwargs, write_keys, watch)
+        started = time.perf_counter()
         try:
             reply = self.run.exchange(message, f"`{name}`")
         except LearnerError as error:
             if "did not return within" in str(error):
                 _hung.add((self.impl.label, name))
             raise
+        finally:
+            self.slowest = max(self.slowest, time.perf_counter() - started)
         if reply[0] != "returned" or len(reply) != 9:
             raise LearnerError(f"`{name}`: the worker sent an unexpected reply")
         _, result, changed, states, data, written, refused, _, largest = reply

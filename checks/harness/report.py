@@ -36,6 +36,8 @@ class Result:
     function: str = ""  # the check's test function (what POINTS names)
     points: float = 0.0  # what the whole check is worth in `./check.sh grade`
     calls: list[str] = field(default_factory=list)  # the learner's functions and methods it called (progress)
+    slowest_call: float = 0.0  # seconds of its longest learner call, against the time limit
+    time_limit: float = 0.0
 
 
 def check_title(item) -> str:
@@ -80,7 +82,10 @@ class Reporter:
         result = Result(stem, check_title(item), case_id(item), impl, "passed", seed=case_seed(item),
                         seconds=round(call.duration, 3), verified_on=verified_on(item), nodeid=item.nodeid,
                         function=item.originalname, points=getattr(item.module, "POINTS", {}).get(item.originalname, 0))
-        result.calls = list(getattr(item.funcargs.get("impl"), "called", []))
+        guarded = item.funcargs.get("impl")
+        result.calls = list(getattr(guarded, "called", []))
+        result.slowest_call = round(getattr(guarded, "slowest", 0.0), 3)
+        result.time_limit = getattr(guarded, "time_limit", 0.0)
         if report.skipped:
             result.status = "skipped"
             longrepr = report.longrepr
@@ -123,6 +128,11 @@ class Reporter:
             return []
         kind = getattr(item.module, "TOLERANCE_KIND", "elementwise")
         only = getattr(item.module, "NAMED_BY", {}).get(item.originalname)
+        label = guarded.impl.label
+        if self.config.getoption("--until-named", False) and label.startswith("mutant:"):
+            # the question asked of a catalogued mutant here is only whether it is named as itself
+            own, named_by = label.rsplit(":", 1)[1], only
+            only = lambda mistake_id: mistake_id == own and (named_by is None or named_by(mistake_id))  # noqa: E731
         return [m.id for m in identify(guarded.events, stem, kind, guarded.time_limit, only)]
 
     def pytest_sessionfinish(self, session):

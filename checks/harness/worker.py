@@ -302,7 +302,8 @@ class Session:
                 wire.send(self.sock, self._serve_callback(reply, callbacks))
         except wire.Timeout:
             self.end()
-            raise Overran(f"{what} did not return within {seconds:g} s (an endless loop?)") from None
+            raise Overran(f"{what} did not return within {seconds:g} s (an endless loop? on a slow machine, "
+                          "--time-limit gives it longer)") from None
         except (wire.Closed, ConnectionError, BrokenPipeError):
             how = self.server.how_it_ended(self.pid)
             self.end(killed=False)

@@ -50,6 +50,23 @@ def test_reference_passes_everything(full_run, second_seed_run):
             assert not failing, "\n".join(failing)
 
 
+# A reference call may take at most this share of its time limit: a verdict must be the same on a machine
+# several times slower or busy with other work (the limit is 10 s; the catalogue's hanging samples run apart).
+SLOWEST_SHARE = 0.2
+
+
+def test_reference_calls_are_far_below_the_time_limit(full_run, second_seed_run):
+    rows = [r for run in (full_run, second_seed_run) for r in run.of("solutions")]
+    assert rows and all(r["time_limit"] > 0 for r in rows if r["calls"])
+    slow = sorted((r for r in rows if r["slowest_call"] > SLOWEST_SHARE * r["time_limit"]),
+                  key=lambda r: -r["slowest_call"])
+    slowest = sorted(rows, key=lambda r: -r["slowest_call"])[:5]
+    print("the reference's slowest calls:", *(f"{r['slowest_call']:.2f} s of {r['time_limit']:g} in {r['nodeid']}"
+                                             for r in slowest), sep="\n  ")
+    assert not slow, "\n".join(f"{r['nodeid']}: a call took {r['slowest_call']:.2f} s of its {r['time_limit']:g} s "
+                               "limit: make the case smaller" for r in slow)
+
+
 def test_untouched_stubs_report_not_started(full_run, stubs_folder):
     for stem in STEMS:
         rows = [r for r in full_run.of(display(stubs_folder), stem) if r["status"] != "skipped"]

@@ -177,6 +177,7 @@ def test_watch_checks_again_after_a_save(tmp_path):
     finally:
         process.terminate()  # as a learner's Ctrl-C or a closed terminal would
         process.wait(timeout=10)
+    assert process.returncode == 143, "a watch stopped by SIGTERM exits 143"
     from checks.selftests.test_grader_attacks import worker_processes
 
     deadline = time.time() + 5
@@ -207,3 +208,49 @@ def test_hint_opens_the_next_level_and_the_book_marks_it(kit_copy):
     page = (kit_copy / ".kvlab" / "book" / "m03_rope.html").read_text()
     assert 'class="hint level-1 opened"' in page and 'class="hint level-2 opened"' in page
     assert 'class="hint level-3"' in page
+
+
+def descendants(pid: int) -> list[int]:
+    """Every process below `pid` (read from /proc: the workers, the fork server and their children)."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                parent = int(open(f"/proc/{entry}/stat").read().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            children.setdefault(parent, []).append(int(entry))
+    found, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.append(child)
+            todo.append(child)
+    return found
+
+
+@pytest.mark.parametrize("signal_name, code", [("SIGTERM", 143), ("SIGINT", 130)])
+def test_a_signal_stops_the_run_within_seconds(tmp_path, signal_name, code):
+    """SIGTERM (a `timeout`, a grader's kill) or Ctrl-C stops a run in a few seconds, ends its workers, says
+    "interrupted" with what had finished, and still writes --json, marked incomplete."""
+    import json
+    import signal
+
+    report = tmp_path / "results.json"
+    env = {**os.environ, "COLUMNS": "120", "PYTHONPATH": str(ROOT)}
+    run = subprocess.Popen([sys.executable, "-m", "checks", "m01", "p06", "--impl", "solutions", "--json",
+                            str(report)], cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                           text=True)
+    time.sleep(12)  # m01 done, p06's engine running (or still importing, on a slow machine)
+    below = descendants(run.pid)
+    sent = time.perf_counter()
+    run.send_signal(getattr(signal, signal_name))
+    out, _ = run.communicate(timeout=60)
+    took = time.perf_counter() - sent
+    assert took < 5, f"the run took {took:.1f} s to stop"
+    assert run.returncode == code, out
+    assert "interrupted" in out and "Traceback" not in out, out
+    assert json.loads(report.read_text())["complete"] is False
+    time.sleep(0.5)
+    left = [pid for pid in below if os.path.exists(f"/proc/{pid}") and
+            open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0] != "Z"]
+    assert not left, f"processes of the run still there: {left}"
