@@ -64,6 +64,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--until-named", action="store_true",
                         help="with --impl mutants: stop checking a mutant once a check rejects it by its name (the "
                              "kit's self-tests use it to try the catalogue on more seeds)")
+    parser.add_argument("--name-as-itself", action="store_true",
+                        help="with --impl mutants: replay a mutant's failing check on that mutant only, to ask whether "
+                             "it is named as itself (the kit's self-tests), not on the whole catalogue")
     parser.add_argument("--named-first", metavar="RESULTS", action="append",
                         help="with --until-named: try each mutant first on the checks that named it in RESULTS (an "
                              "earlier run's --json)")
@@ -237,6 +240,8 @@ def run(selected, args, impls: list[str] | None = None, extra: list[str] = (), r
         pytest_args += ["--seed", str(args.seed)]
     if args.k:
         pytest_args += ["-k", args.k]
+    if args.name_as_itself:
+        pytest_args += ["--name-as-itself"]
     if args.until_named:
         pytest_args += ["--until-named"]
         for earlier in args.named_first or []:

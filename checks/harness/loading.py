@@ -97,6 +97,9 @@ class Package:
         sys.modules[name] = module
         try:
             exec(code, module.__dict__)
+        except KeyboardInterrupt:  # Ctrl-C or SIGTERM while the checks' process imports a mutant: stop the run
+            sys.modules.pop(name, None)
+            raise
         except BaseException as error:  # noqa: BLE001 - any import-time failure is the learner's to see
             sys.modules.pop(name, None)
             advice = ""

@@ -256,6 +256,8 @@ def _replay(events: list, module, time_limit: float, compare=None) -> list:
             before = {arg: leaves(value) for arg, value in names.items()
                       if not any(value is w for w in written.values())}
             result = run_with_time_limit(function, time_limit, *args, **kwargs)
+        except KeyboardInterrupt:  # Ctrl-C or SIGTERM (./check.sh turns it into this): the run stops here
+            raise
         except BaseException:  # noqa: BLE001 - the mutant crashed where the learner did not
             trace.append(None)
             return trace

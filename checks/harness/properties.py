@@ -18,11 +18,20 @@ from .loader import ROOT
 set_hypothesis_home_dir(ROOT / ".kvlab" / "hypothesis")  # its cache goes with the kit's run state, not the cwd
 
 
+# Plays hypothesis may spend shrinking once an example failed. Shrinking to the very smallest example took up
+# to 450 plays (15 s on a 2-core machine) for one failing implementation; the first 60 cut most of an example
+# away. Past them, a new candidate counts as passing, so hypothesis reports the smallest failing example it
+# has found. A count, not a clock: the example reported for a seed is the same on any machine.
+SHRINK_PLAYS = 60
+
+
 def explore(impl, seed: int, strategy, play, max_examples: int, examples: str, learner: str) -> None:
     """Play up to `max_examples` examples of `strategy` with `play(example)`. `examples` and `learner` name
     them in the message for a learner whose results change between two runs of the same example
     ("operations", "manager")."""
     stopped: list[BaseException] = []  # not started, or hung: no use running more examples
+    failed: set[str] = set()  # the examples that failed (repr), played again when hypothesis reports one
+    shrinking = [0]  # plays since the first failure
 
     @settings(max_examples=max_examples, deadline=None, database=None, report_multiple_bugs=False,
               verbosity=Verbosity.quiet, phases=[Phase.explicit, Phase.generate, Phase.shrink],
@@ -32,6 +41,11 @@ def explore(impl, seed: int, strategy, play, max_examples: int, examples: str, l
     def run(example):
         if stopped:
             return
+        key = repr(example)
+        if failed:
+            shrinking[0] += 1
+            if shrinking[0] > SHRINK_PLAYS and key not in failed:
+                return
         impl.start_over()  # only the last example's calls are replayed to name a mistake
         try:
             play(example)
@@ -41,7 +55,11 @@ def explore(impl, seed: int, strategy, play, max_examples: int, examples: str, l
             if "did not return within" in str(error) or "hung in an earlier check" in str(error):
                 stopped.append(error)
             else:
+                failed.add(key)
                 raise
+        except BaseException:
+            failed.add(key)
+            raise
 
     try:
         run()

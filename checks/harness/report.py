@@ -129,7 +129,8 @@ class Reporter:
         kind = getattr(item.module, "TOLERANCE_KIND", "elementwise")
         only = getattr(item.module, "NAMED_BY", {}).get(item.originalname)
         label = guarded.impl.label
-        if self.config.getoption("--until-named", False) and label.startswith("mutant:"):
+        if (self.config.getoption("--until-named", False) or self.config.getoption("--name-as-itself", False)) \
+                and label.startswith("mutant:"):
             # the question asked of a catalogued mutant here is only whether it is named as itself
             own, named_by = label.rsplit(":", 1)[1], only
             only = lambda mistake_id: mistake_id == own and (named_by is None or named_by(mistake_id))  # noqa: E731
