@@ -41,7 +41,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--impl", action="append", metavar="IMPL",
                         help="mine (default), solutions, a folder with mine/'s file names; or mutants, variants, "
                              "broken: the kit's catalogue of known mistakes, accepted variants and broken code")
-    parser.add_argument("--seed", type=int, help="base seed; a run prints its own so it can be replayed")
+    parser.add_argument("--seed", type=int, action="append",
+                        help="base seed; a run prints its own so it can be replayed (given again: one run per seed, "
+                             "in one process)")
     parser.add_argument("--json", metavar="FILE", help="also write every result to FILE as JSON")
     parser.add_argument("-k", metavar="EXPR", help="only checks whose name matches EXPR (pytest -k)")
     parser.add_argument("--time-limit", type=float, default=10.0, help="seconds one call of your code may take")
@@ -139,7 +141,7 @@ def watch(selected, args) -> int:
     if args.seed is None:  # one seed for the whole session: a verdict changes only because the file did
         import random
 
-        args.seed = random.randrange(10_000)
+        args.seed = [random.randrange(10_000)]
     names = ", ".join(m.id for m in selected)
     waiting = f"watching {display(folder)}/*.py: each save checks {names} again (Ctrl-C stops)"
     stopped_by: list[int] = []
@@ -236,8 +238,6 @@ def run(selected, args, impls: list[str] | None = None, extra: list[str] = (), r
     ]
     for label in impls:
         pytest_args += ["--impl", label]
-    if args.seed is not None:
-        pytest_args += ["--seed", str(args.seed)]
     if args.k:
         pytest_args += ["-k", args.k]
     if args.name_as_itself:
@@ -248,8 +248,14 @@ def run(selected, args, impls: list[str] | None = None, extra: list[str] = (), r
             pytest_args += ["--named-first", earlier]
     if not args.pytest:
         pytest_args += ["-p", "no:terminal", "-s"]  # -s: a learner's print() shows up while debugging
-    reporter = reporter or Reporter(None, render=True)
-    code = None
+    # Several seeds: one run each, in this process (torch, the oracles and the workers' fork server loaded once).
+    seeds = args.seed or [None]
+    assert reporter is None or len(seeds) == 1, "one seed per run when the caller reports"
+    own_server = len(seeds) > 1 and "--keep-server" not in extra  # kept from seed to seed, ended here
+    if own_server:
+        pytest_args.append("--keep-server")
+    finished = (pytest.ExitCode.OK, pytest.ExitCode.TESTS_FAILED)
+    reporters, codes = [], []
     stopped_by: list[int] = []
 
     def interrupted(signum, frame):  # a `timeout` or a grader's kill: stop the checks, still write --json
@@ -258,18 +264,29 @@ def run(selected, args, impls: list[str] | None = None, extra: list[str] = (), r
 
     previous = signal.signal(signal.SIGTERM, interrupted)
     try:
-        code = pytest.main(pytest_args, plugins=[_Attach(reporter)])
+        for seed in seeds:
+            reporters.append(reporter or Reporter(None, render=True))
+            codes.append(pytest.ExitCode.INTERRUPTED)  # until pytest says otherwise
+            seeded = pytest_args + (["--seed", str(seed)] if seed is not None else [])
+            codes[-1] = pytest.main(seeded, plugins=[_Attach(reporters[-1])])
+            if codes[-1] not in finished:
+                break
     except KeyboardInterrupt:  # a second Ctrl-C while pytest was already winding down
-        code = pytest.ExitCode.INTERRUPTED
+        codes[-1:] = [pytest.ExitCode.INTERRUPTED]
     finally:
         signal.signal(signal.SIGTERM, previous)
-        results = reporter.results
+        if own_server:
+            from checks.conftest import KEPT
+
+            if "runs" in KEPT:
+                KEPT.pop("runs").close()
+        results = [r for each in reporters for r in each.results]
+        code = next((c for c in codes if c not in finished), codes[-1] if codes else pytest.ExitCode.INTERRUPTED)
         if args.json:  # always written: a run cut short says so, it never leaves an old file or none
-            seed = getattr(reporter.config, "kvlab_seed", None)
-            complete = code in (pytest.ExitCode.OK, pytest.ExitCode.TESTS_FAILED)
+            seed = getattr(reporters[0].config, "kvlab_seed", None) if reporters else None
+            complete = len(codes) == len(seeds) and all(c in finished for c in codes)
             Path(args.json).write_text(json.dumps(to_json(results, seed, complete=complete), indent=1))
     if code == pytest.ExitCode.INTERRUPTED:
-        results = reporter.results
         done = sum(r.status in ("passed", "skipped") for r in results)
         modules_done = ", ".join(dict.fromkeys(r.module.split("_")[0] for r in results)) or "none"
         print(f"./check.sh: interrupted: {len(results)} checks had finished ({done} passed; modules reached: "

@@ -6,14 +6,15 @@ bfloat16 values as their raw 16-bit patterns and its `tl.dot` multiplies those p
 every bf16 `tl.dot` returns garbage there (seen with triton 3.9). The repair widens bf16 operands to
 fp32 before the product — the arithmetic a GPU's tensor cores do for bf16 (each product of two bf16
 values is exact in fp32, and the sum is kept in fp32) — so a kernel is checked on the CPU as it runs
-on the GPU. Nothing changes for compiled kernels.
+on the GPU. Nothing changes for compiled kernels, but for one thing the checks do everywhere: an autotuned
+kernel runs one config (`loading.one_config_per_kernel`), in the worker as in a replay here.
 """
 
 import os
 
 import torch
 
-from .loading import repair_bf16_dot
+from .loading import one_config_per_kernel, repair_bf16_dot
 
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 DEVICE = torch.device("cuda" if torch.cuda.is_available() and not INTERPRETED else "cpu")
@@ -30,3 +31,4 @@ def verified_on() -> str:
 
 if INTERPRETED:
     repair_bf16_dot()
+one_config_per_kernel()  # the catalogue's mutants replayed here to name a mistake: one config each, as in the worker

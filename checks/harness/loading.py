@@ -177,6 +177,34 @@ def repair_bf16_dot() -> None:
     builder.create_dot = create_dot
 
 
+def one_config_per_kernel() -> None:
+    """Under the checks, an autotuned kernel runs one config, the one with the smallest tiles (the likeliest
+    to fit any GPU's shared memory), instead of timing every config of its `@triton.autotune` list on each
+    new key in every fresh worker: a verdict needs a correct kernel, not the fastest one, and it is then the
+    same config on every run. The benchmarks do not call this. Idempotent; nothing without Triton."""
+    try:
+        from triton.runtime.autotuner import Autotuner
+    except ImportError:
+        return
+    prune = getattr(Autotuner, "prune_configs", None)
+    if prune is None or getattr(prune, "kvlab_one_config", False):
+        return
+
+    def tiles(config) -> int:
+        size = max(1, getattr(config, "num_stages", 1) or 1)
+        for value in getattr(config, "kwargs", {}).values():
+            if type(value) is int and value > 0:
+                size *= value
+        return size
+
+    def prune_configs(self, *args, **kwargs):
+        configs = prune(self, *args, **kwargs)
+        return [min(configs, key=tiles)] if len(configs) > 1 else configs
+
+    prune_configs.kvlab_one_config = True
+    Autotuner.prune_configs = prune_configs
+
+
 _counter = itertools.count()
 
 

@@ -38,6 +38,7 @@ class Result:
     calls: list[str] = field(default_factory=list)  # the learner's functions and methods it called (progress)
     slowest_call: float = 0.0  # seconds of its longest learner call, against the time limit
     time_limit: float = 0.0
+    run_seed: int | None = None  # the run's base seed (./check.sh --seed S), from which `seed` is derived
 
 
 def check_title(item) -> str:
@@ -81,7 +82,8 @@ class Reporter:
         impl = params["impl"].label if "impl" in params else ""
         result = Result(stem, check_title(item), case_id(item), impl, "passed", seed=case_seed(item),
                         seconds=round(call.duration, 3), verified_on=verified_on(item), nodeid=item.nodeid,
-                        function=item.originalname, points=getattr(item.module, "POINTS", {}).get(item.originalname, 0))
+                        function=item.originalname, points=getattr(item.module, "POINTS", {}).get(item.originalname, 0),
+                        run_seed=getattr(self.config, "kvlab_seed", None))
         guarded = item.funcargs.get("impl")
         result.calls = list(getattr(guarded, "called", []))
         result.slowest_call = round(getattr(guarded, "slowest", 0.0), 3)
@@ -120,7 +122,8 @@ class Reporter:
                 module_stem(item.module), check_title(item), case_id(item),
                 params["impl"].label if "impl" in params else "", "failed", "the check did not finish (no result)",
                 seed=case_seed(item), verified_on=verified_on(item), nodeid=item.nodeid, function=item.originalname,
-                points=getattr(item.module, "POINTS", {}).get(item.originalname, 0)))
+                points=getattr(item.module, "POINTS", {}).get(item.originalname, 0),
+                run_seed=getattr(self.config, "kvlab_seed", None)))
 
     def name_mistakes(self, item, stem: str) -> list[str]:
         guarded = item.funcargs.get("impl")

@@ -407,6 +407,10 @@ class ForkServer:
         if self.options.get("triton"):
             import triton  # noqa: F401 - imported once here, not in every worker
 
+            from .loading import one_config_per_kernel
+
+            one_config_per_kernel()
+
             if os.environ.get("TRITON_INTERPRET") == "1":
                 from .loading import repair_bf16_dot
 

@@ -156,6 +156,10 @@ class ForkServer:
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         options = {"control_fd": theirs.fileno(), "triton": self.triton, "cuda": self.cuda,
                    "memory_limit": self.memory_limit, "uid": UNPRIVILEGED if self.sandboxed else None}
+        if self.forks_from_here():
+            self.process = Forked.start(theirs, options, self.quiet)
+            self.control, self.ready = ours, False
+            return
         command = [sys.executable, "-I", "-c", boot_program(), json.dumps(options)]
         env = clean_environment(self.sandboxed)
         if self.sandboxed:
@@ -165,6 +169,14 @@ class ForkServer:
                                         stdout=output, stderr=output, env=env, start_new_session=True)
         theirs.close()
         self.control, self.ready = ours, False
+
+    def forks_from_here(self) -> bool:
+        """Whether the server can be a fork of this process (torch already imported: a cold `./check.sh m02`
+        saves importing it again beside the oracle's import) rather than a fresh Python. Not in the sandbox
+        (bubblewrap starts it), not where CUDA may be touched (a forked CUDA process cannot use it), and only
+        while this process is safe to fork: one thread, and torch at one OpenMP thread (no pool to inherit)."""
+        return (not self.sandboxed and not self.cuda and threading.active_count() == 1
+                and os.environ.get("OMP_NUM_THREADS") == "1" and "torch" in sys.modules)
 
     def _ask(self, message, fds=(), timeout: float = 30.0):
         with self.lock:
@@ -243,6 +255,75 @@ class ForkServer:
         self.process.wait()
         self.control.close()
         self.process, self.ready = None, False
+
+
+class Forked:
+    """The fork server as a fork of the checks' process: `Popen`'s `pid`, `poll` and `wait`.
+
+    The child leaves the kit behind before it serves: a session of its own, default signal handlers, the
+    clean environment, neither the kit's folder on its import path nor the kit's modules imported; then it
+    runs the same program a fresh server runs (`boot_program`), with torch already in memory."""
+
+    def __init__(self, pid: int):
+        self.pid, self.returncode = pid, None
+
+    @classmethod
+    def start(cls, theirs: socket.socket, options: dict, quiet: bool) -> "Forked":
+        pid = os.fork()
+        if pid == 0:
+            code = 0
+            try:
+                cls._serve(theirs, options, quiet)
+            except BaseException:  # noqa: BLE001 - a bug of the worker side itself: say so, exit 70
+                import traceback
+
+                traceback.print_exc()
+                code = 70
+            finally:
+                os._exit(code)
+        theirs.close()
+        return cls(pid)
+
+    @staticmethod
+    def _serve(theirs: socket.socket, options: dict, quiet: bool) -> None:
+        os.setsid()
+        for number in (signal.SIGTERM, signal.SIGINT, signal.SIGALRM, signal.SIGPIPE):
+            signal.signal(number, signal.SIG_IGN if number == signal.SIGPIPE else signal.SIG_DFL)
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        null = os.open(os.devnull, os.O_RDWR)
+        os.dup2(null, 0)
+        if quiet:
+            os.dup2(null, 1)
+            os.dup2(null, 2)
+        sys.stdout, sys.stderr = sys.__stdout__, sys.__stderr__
+        clean = clean_environment(False)
+        os.environ.clear()
+        os.environ.update(clean)
+        kit = HERE.parents[1]
+        sys.path[:] = [p for p in sys.path if p and Path(p).resolve() != kit]
+        for name in [n for n in sys.modules if n.split(".")[0] in ("checks", "solutions", "book") + HIDDEN_PACKAGES]:
+            del sys.modules[name]
+        sys.argv = ["kvlab-worker", json.dumps({**options, "control_fd": theirs.fileno()})]
+        exec(compile(boot_program(), "<kvlab worker>", "exec"), {"__name__": "kvlab_boot"})
+
+    def poll(self) -> int | None:
+        if self.returncode is None:
+            try:
+                pid, status = os.waitpid(self.pid, os.WNOHANG)
+            except ChildProcessError:
+                pid, status = self.pid, 0
+            if pid:
+                self.returncode = os.waitstatus_to_exitcode(status)
+        return self.returncode
+
+    def wait(self) -> int:
+        if self.returncode is None:
+            try:
+                _, status = os.waitpid(self.pid, 0)
+                self.returncode = os.waitstatus_to_exitcode(status)
+            except ChildProcessError:
+                self.returncode = 0
+        return self.returncode
 
 
 _generations = itertools.count(1)

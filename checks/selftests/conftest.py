@@ -134,21 +134,31 @@ def start_runs(tmp_path_factory, stubs_folder: Path) -> dict[str, Started]:
     halves = (tuple(i for i in stems if i not in LATER), tuple(i for i in stems if i in LATER))
     firsts = tuple(Started(tmp_path_factory.mktemp(f"full{n}"), "--seed", str(SEEDS[0]), "--impl", "solutions",
                            "--impl", str(stubs_folder), "--impl", "mutants", "--impl", "variants", "--impl", "crashes",
-                           targets=half) for n, half in enumerate(halves))
+                           "--name-as-itself", targets=half) for n, half in enumerate(halves))
     STARTED["full"] = firsts
     STARTED["hangs"] = Started(tmp_path_factory.mktemp("hangs"), "--seed", str(SEEDS[0]), "--time-limit",
                                str(HANG_LIMIT), "--impl", "hangs")
     STARTED["second"] = Started(tmp_path_factory.mktemp("second"), "--seed", str(SEEDS[1]),
                                 "--impl", "solutions", "--impl", "variants")
     named_first = [a for first in firsts for a in ("--named-first", str(first.report))]
-    for chain in (SEEDS[1::2], SEEDS[2::2]):
-        previous = firsts
+    for n, chain in enumerate((SEEDS[1::2], SEEDS[2::2])):  # each chain one process, a run per seed
+        seeds = [a for seed in chain for a in ("--seed", str(seed))]
+        STARTED[f"chain {n}"] = started = Started(tmp_path_factory.mktemp(f"chain{n}"), *seeds, "--impl", "mutants",
+                                                  "--until-named", *named_first, after=firsts, idle=True)
         for seed in chain:
-            started = STARTED[f"seed {seed}"] = Started(
-                tmp_path_factory.mktemp(f"seed{seed}"), "--seed", str(seed), "--impl", "mutants", "--until-named",
-                *named_first, after=previous, idle=True)
-            previous = (started,)
+            STARTED[f"seed {seed}"] = OneSeed(started, seed)
     return STARTED
+
+
+class OneSeed:
+    """One seed's rows of a run over several seeds."""
+
+    def __init__(self, run: Started, seed: int):
+        self.run, self.seed = run, seed
+
+    def result(self) -> Run:
+        whole = self.run.result()
+        return Run([r for r in whole.results if r["run_seed"] == self.seed], whole.output, whole.returncode)
 
 
 def pytest_collection_modifyitems(session, config, items):
