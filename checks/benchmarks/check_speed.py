@@ -1,7 +1,8 @@
 """How long `./check.sh m02` takes, against the floor it cannot beat: importing torch and HF's Qwen3.
 
-Each command runs as a cold process, several times; the report prints medians and the difference.
-The target is a difference of about 1.5 s or less (the checks themselves, pytest and the report).
+Each command runs as a cold process, in alternating pairs, timed from outside: wall and CPU seconds (the
+CPU of the process and of everything it waited for); the report prints medians and the median difference
+of the pairs. The target is a difference of 1.5 s or less (the checks themselves, pytest and the report).
 Then `--watch`: the time from saving a file to the next verdict, for m01 and m02 (target: under 1 s).
 
     python -m checks.benchmarks.check_speed [--runs 7] [--module m02]
@@ -9,6 +10,7 @@ Then `--watch`: the time from saving a file to the next verdict, for m01 and m02
 
 import argparse
 import os
+import resource
 import shutil
 import statistics
 import subprocess
@@ -22,10 +24,15 @@ from checks.harness.loader import ROOT
 FLOOR = "import torch; from transformers.models.qwen3 import modeling_qwen3"
 
 
-def seconds(command: list[str]) -> float:
+def seconds(command: list[str]) -> tuple[float, float]:
+    """Wall and CPU seconds of a command run as a cold process, timed from outside it (the CPU time of the
+    process and of every process it waited for: the workers' fork server, the workers)."""
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
     start = time.perf_counter()
     subprocess.run(command, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, check=False)
-    return time.perf_counter() - start
+    wall = time.perf_counter() - start
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return wall, (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
 
 
 def main() -> None:
@@ -36,14 +43,18 @@ def main() -> None:
     floor_cmd = [sys.executable, "-c", FLOOR]
     check_cmd = [sys.executable, "-m", "checks", args.module, "--impl", "solutions"]
     floor, check = [], []
-    for _ in range(args.runs):  # interleaved, so a busy moment costs both sides alike
+    for _ in range(args.runs):  # alternating pairs, so a busy moment costs both sides alike
         floor.append(seconds(floor_cmd))
         check.append(seconds(check_cmd))
-    f, c = statistics.median(floor), statistics.median(check)
     rows = (("import torch + HF Qwen3 modeling", floor), (f"./check.sh {args.module} --impl solutions", check))
-    for name, times in rows:
-        print(f"{name:34} median {statistics.median(times):5.2f} s  (min {min(times):.2f}, max {max(times):.2f})")
-    print(f"{'difference':34} median {c - f:5.2f} s  over {args.runs} cold runs each")
+    for name, runs in rows:
+        wall, cpu = [w for w, _ in runs], [c for _, c in runs]
+        print(f"{name:34} median {statistics.median(wall):5.2f} s wall (min {min(wall):.2f}, max {max(wall):.2f}), "
+              f"{statistics.median(cpu):5.2f} s CPU")
+    walls = [c[0] - f[0] for f, c in zip(floor, check)]
+    cpus = [c[1] - f[1] for f, c in zip(floor, check)]
+    print(f"{'difference (pair by pair)':34} median {statistics.median(walls):5.2f} s wall, "
+          f"{statistics.median(cpus):5.2f} s CPU, over {args.runs} pairs of cold runs")
     respawn = fresh_worker_seconds(args.runs * 4)
     print(f"{'a fresh worker (after a crash)':34} median {statistics.median(respawn) * 1000:5.1f} ms "
           f"(fork, import the module, first call; {len(respawn)} times)")
