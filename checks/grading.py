@@ -83,7 +83,10 @@ def score_lines(checks: list[Check], sandboxed: bool) -> list[str]:
     return lines
 
 
-def gradescope(checks: list[Check], seconds: float, sandboxed: bool, seed: int) -> dict:
+INTERRUPTED = "interrupted (Ctrl-C or SIGTERM) before the end: the checks that never ran are missing from this score"
+
+
+def gradescope(checks: list[Check], seconds: float, sandboxed: bool, seed: int, interrupted: bool = False) -> dict:
     """Gradescope's autograder results.json: one test per check, with its score and its reasons."""
     tests = []
     for number, check in enumerate(checks, 1):
@@ -98,7 +101,7 @@ def gradescope(checks: list[Check], seconds: float, sandboxed: bool, seed: int) 
             "visibility": "visible",
             "tags": [module.id if module else check.module],
         })
-    summary = score_lines(checks, sandboxed)
+    summary = score_lines(checks, sandboxed) + ([INTERRUPTED] if interrupted else [])
     return {
         "score": round(sum(c.score for c in checks), 2),
         "execution_time": round(seconds, 1),
@@ -132,11 +135,11 @@ def junit(results: list, sandboxed: bool) -> bytes:
 
 
 def write_outputs(results: list, seconds: float, sandboxed: bool, seed: int, gradescope_file: str | None,
-                  junit_file: str | None) -> list[Check]:
+                  junit_file: str | None, interrupted: bool = False) -> list[Check]:
     checks = checks_of(results)
     if gradescope_file:
         with open(gradescope_file, "w", encoding="utf-8") as out:
-            json.dump(gradescope(checks, seconds, sandboxed, seed), out, indent=1)
+            json.dump(gradescope(checks, seconds, sandboxed, seed, interrupted), out, indent=1)
     if junit_file:
         with open(junit_file, "wb") as out:
             out.write(junit(results, sandboxed))
@@ -192,10 +195,11 @@ def grade(args, registry, run) -> int:
         reporter = Reporter(None, render=True)
         code = run(selected, args, impls=[str(copy)], extra=extra, remember_results=False, reporter=reporter)
     seconds = time.perf_counter() - started
+    interrupted = code >= 128  # stopped by a signal: what finished is scored, and every output says so
     checks = write_outputs(reporter.results, seconds, sandboxed, getattr(reporter.config, "kvlab_seed", 0),
-                           args.gradescope, args.junit)
+                           args.gradescope, args.junit, interrupted)
     print()
-    for line in score_lines(checks, sandboxed):
+    for line in score_lines(checks, sandboxed) + ([INTERRUPTED] if interrupted else []):
         print(line)
     for kind, path in (("Gradescope results", args.gradescope), ("JUnit XML", args.junit)):
         if path:

@@ -228,19 +228,31 @@ def descendants(pid: int) -> list[int]:
     return found
 
 
-@pytest.mark.parametrize("signal_name, code", [("SIGTERM", 143), ("SIGINT", 130)])
-def test_a_signal_stops_the_run_within_seconds(tmp_path, signal_name, code):
+SIGNALLED = {
+    # the reference: p06's engine running in the worker when the signal comes
+    "run": ("SIGTERM", 143, ["m01", "p06", "--impl", "solutions"]),
+    # the catalogue: the checks' process replays mutants (Triton's interpreter) to name them, and a signal
+    # there must not pass for a mutant's crash
+    "mutants": ("SIGINT", 130, ["m01", "p04", "--impl", "mutants"]),
+    # a grade: the score of what finished, every output saying it was cut short
+    "grade": ("SIGTERM", 143, ["grade", "solutions", "m01", "p06", "--no-sandbox"]),
+}
+
+
+@pytest.mark.parametrize("kind", SIGNALLED)
+def test_a_signal_stops_the_run_within_seconds(tmp_path, kind):
     """SIGTERM (a `timeout`, a grader's kill) or Ctrl-C stops a run in a few seconds, ends its workers, says
-    "interrupted" with what had finished, and still writes --json, marked incomplete."""
+    "interrupted" with what had finished, and still writes --json (or a grade's results), marked incomplete."""
     import json
     import signal
 
+    signal_name, code, args = SIGNALLED[kind]
     report = tmp_path / "results.json"
+    written = ["--gradescope", str(report)] if kind == "grade" else ["--json", str(report)]
     env = {**os.environ, "COLUMNS": "120", "PYTHONPATH": str(ROOT)}
-    run = subprocess.Popen([sys.executable, "-m", "checks", "m01", "p06", "--impl", "solutions", "--json",
-                            str(report)], cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                           text=True)
-    time.sleep(12)  # m01 done, p06's engine running (or still importing, on a slow machine)
+    run = subprocess.Popen([sys.executable, "-m", "checks", *args, *written], cwd=ROOT, env=env,
+                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    time.sleep(12)  # m01 done, the second module running (or still importing, on a slow machine)
     below = descendants(run.pid)
     sent = time.perf_counter()
     run.send_signal(getattr(signal, signal_name))
@@ -249,7 +261,10 @@ def test_a_signal_stops_the_run_within_seconds(tmp_path, signal_name, code):
     assert took < 5, f"the run took {took:.1f} s to stop"
     assert run.returncode == code, out
     assert "interrupted" in out and "Traceback" not in out, out
-    assert json.loads(report.read_text())["complete"] is False
+    if kind == "grade":
+        assert "interrupted" in json.loads(report.read_text())["output"]
+    else:
+        assert json.loads(report.read_text())["complete"] is False
     time.sleep(0.5)
     left = [pid for pid in below if os.path.exists(f"/proc/{pid}") and
             open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0] != "Z"]
