@@ -22,6 +22,7 @@ plain data (weights dataclasses, namespaces) arrive as records with the same fie
 """
 
 import dataclasses
+import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -228,6 +229,19 @@ class ModuleRun:
             raise LearnerError(reply[1])
         return reply
 
+    def worker_cpu(self) -> float | None:
+        """CPU seconds the worker has used so far (None where its pid is not this process's to read: in the
+        sandbox's own pid namespace, or with no worker)."""
+        pid = self.session.pid
+        if pid is None or self.session.server.sandboxed:
+            return None
+        try:
+            with open(f"/proc/{pid}/stat") as stat:
+                fields = stat.read().rsplit(")", 1)[1].split()
+            return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime
+        except (OSError, IndexError, ValueError):
+            return None
+
     def end_check(self) -> None:
         self.session.forget()
         self.remotes = {k: v for k, v in self.remotes.items() if v._kind != "object"}
@@ -288,6 +302,8 @@ class Guarded:
         self.events: list[Call | New] = []
         self.called: list[str] = []  # every learner function or method the check called, in order (progress)
         self.slowest = 0.0  # seconds of the longest call (the self-tests hold the reference far below the limit)
+        self.slowest_cpu = 0.0  # CPU seconds the worker spent on its costliest call: what the call takes on an
+        # idle machine, whatever else this one is doing
         self.made: set[int] = set()
         self.watch: TensorWatch | None = None
         run.guarded = self
@@ -334,8 +350,10 @@ class Guarded:
             message = ("method", target[0], target[1], name, args, kwargs, write_keys, watch)
         else:
             message = ("call", target, name, args, kwargs, write_keys, watch)
-        started = time.perf_counter()
+        started, cpu = time.perf_counter(), None
         try:
+            self.run.names()  # the worker started and the module imported: not part of the call's time
+            cpu = self.run.worker_cpu()
             reply = self.run.exchange(message, f"`{name}`")
         except LearnerError as error:
             if "did not return within" in str(error):
@@ -343,6 +361,9 @@ class Guarded:
             raise
         finally:
             self.slowest = max(self.slowest, time.perf_counter() - started)
+            after = self.run.worker_cpu() if cpu is not None else None
+            if after is not None:
+                self.slowest_cpu = max(self.slowest_cpu, after - cpu)
         if reply[0] != "returned" or len(reply) != 9:
             raise LearnerError(f"`{name}`: the worker sent an unexpected reply")
         _, result, changed, states, data, written, refused, _, largest = reply

@@ -37,6 +37,7 @@ class Result:
     points: float = 0.0  # what the whole check is worth in `./check.sh grade`
     calls: list[str] = field(default_factory=list)  # the learner's functions and methods it called (progress)
     slowest_call: float = 0.0  # seconds of its longest learner call, against the time limit
+    slowest_call_cpu: float = 0.0  # the worker's CPU seconds in its costliest call (0 where not measured)
     time_limit: float = 0.0
     run_seed: int | None = None  # the run's base seed (./check.sh --seed S), from which `seed` is derived
 
@@ -87,6 +88,7 @@ class Reporter:
         guarded = item.funcargs.get("impl")
         result.calls = list(getattr(guarded, "called", []))
         result.slowest_call = round(getattr(guarded, "slowest", 0.0), 3)
+        result.slowest_call_cpu = round(getattr(guarded, "slowest_cpu", 0.0), 3)
         result.time_limit = getattr(guarded, "time_limit", 0.0)
         if report.skipped:
             result.status = "skipped"

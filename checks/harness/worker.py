@@ -15,6 +15,7 @@ for /tmp, the submission's copy as the one writable folder, no view of the kit (
 user so the process limit holds.
 """
 
+import gc
 import itertools
 import json
 import os
@@ -35,8 +36,14 @@ START_LIMIT = 180.0  # seconds for the fork server to import torch (a cold disk 
 UNPRIVILEGED = 65534  # nobody: the user a sandboxed worker runs as
 HIDDEN_PACKAGES = ("transformers", "flash_attn", "solutions", "checks")  # oracles and the kit, not the submission's
 PASSED_ENV = ("PATH", "LD_LIBRARY_PATH", "LANG", "LC_ALL", "TZ", "OMP_NUM_THREADS", "MKL_NUM_THREADS",
-              "TRITON_INTERPRET", "TRITON_CACHE_DIR", "CUDA_VISIBLE_DEVICES", "CUDA_HOME", "NVIDIA_VISIBLE_DEVICES")
+              "TRITON_INTERPRET", "TRITON_CACHE_DIR", "CUDA_VISIBLE_DEVICES", "CUDA_HOME", "NVIDIA_VISIBLE_DEVICES",
+              "KVLAB_RUN_TAG")  # the last: a tag the kit's self-tests give a run, to find the processes it left
 DEFAULT_MEMORY_LIMIT = 4 << 30
+# The checks' own libraries (pytest and its plugins, the report's), gone from a fork server made from the
+# checks' process (`Forked`)
+CHECKS_SIDE = ("book", "pytest", "_pytest", "pluggy", "py", "iniconfig", "hypothesis", "_hypothesis_pytestplugin",
+               "_hypothesis_globals", "rich", "pygments", "jinja2", "markdown_it", "watchfiles", "anyio", "trio",
+               "outcome", "sniffio", "attr", "attrs", "sortedcontainers", "latex2mathml")
 
 
 class WorkerGone(Exception):
@@ -260,9 +267,10 @@ class ForkServer:
 class Forked:
     """The fork server as a fork of the checks' process: `Popen`'s `pid`, `poll` and `wait`.
 
-    The child leaves the kit behind before it serves: a session of its own, default signal handlers, the
-    clean environment, neither the kit's folder on its import path nor the kit's modules imported; then it
-    runs the same program a fresh server runs (`boot_program`), with torch already in memory."""
+    The child leaves the checks behind before it serves: a session of its own, default signal handlers, no
+    open file but its control socket and the standard streams, the clean environment, the kit's folder off
+    its import path; then it runs the same program a fresh server runs (`boot_program`), with torch already
+    in memory. (Not the sandbox: without `grade`, a learner's worker may read the kit as its user can.)"""
 
     def __init__(self, pid: int):
         self.pid, self.returncode = pid, None
@@ -286,24 +294,34 @@ class Forked:
 
     @staticmethod
     def _serve(theirs: socket.socket, options: dict, quiet: bool) -> None:
+        # Nothing of the checks' process is collected here (a collected file or socket would close an fd
+        # number that may name something else by then), and none of its files stays open: only the control
+        # socket and the standard streams (a worker must not reach the checks' end of any socket).
+        gc.freeze()
         os.setsid()
         for number in (signal.SIGTERM, signal.SIGINT, signal.SIGALRM, signal.SIGPIPE):
             signal.signal(number, signal.SIG_IGN if number == signal.SIGPIPE else signal.SIG_DFL)
         signal.setitimer(signal.ITIMER_REAL, 0)
+        sys.stdout, sys.stderr = sys.__stdout__, sys.__stderr__
+        # what a fresh `python -I` importing torch and Triton would not have: the kit, its oracles and the test
+        # runner (a submission must not be able to tell that it is being checked)
+        for name in [n for n in sys.modules if n.split(".")[0] in HIDDEN_PACKAGES + CHECKS_SIDE]:
+            del sys.modules[name]
+        keep = theirs.fileno()
+        os.closerange(3, keep)
+        os.closerange(keep + 1, os.sysconf("SC_OPEN_MAX"))
         null = os.open(os.devnull, os.O_RDWR)
         os.dup2(null, 0)
         if quiet:
             os.dup2(null, 1)
             os.dup2(null, 2)
-        sys.stdout, sys.stderr = sys.__stdout__, sys.__stderr__
+        os.close(null)
         clean = clean_environment(False)
         os.environ.clear()
         os.environ.update(clean)
         kit = HERE.parents[1]
-        sys.path[:] = [p for p in sys.path if p and Path(p).resolve() != kit]
-        for name in [n for n in sys.modules if n.split(".")[0] in ("checks", "solutions", "book") + HIDDEN_PACKAGES]:
-            del sys.modules[name]
-        sys.argv = ["kvlab-worker", json.dumps({**options, "control_fd": theirs.fileno()})]
+        sys.path[:] = [p for p in sys.path if p and Path(p).resolve() != kit]  # as for a fresh `python -I`
+        sys.argv = ["kvlab-worker", json.dumps({**options, "control_fd": keep})]
         exec(compile(boot_program(), "<kvlab worker>", "exec"), {"__name__": "kvlab_boot"})
 
     def poll(self) -> int | None:

@@ -50,23 +50,27 @@ def test_reference_passes_everything(full_run, second_seed_run):
             assert not failing, "\n".join(failing)
 
 
-# A reference call may take at most this share of its time limit, measured here, where the catalogue's runs
-# share the machine's cores (about twice a quiet machine's times): the slowest, the engine on two ranks, takes
-# about 5 s of its 10 there. The aim is a fifth (a verdict the same on a machine four times slower); until the
-# engine and kernel cases are cut to that, this holds the line where a correct verdict would be at risk.
-SLOWEST_SHARE = 0.8
+# A reference call may take at most a tenth of its time limit on a 2-core machine like CI's, so that a machine
+# four times slower, or as busy, still gives the same verdict. It is measured as the worker's CPU time: what the
+# call takes on an idle machine, whatever else runs beside it (here the catalogue's runs share the cores with
+# the other tests, and CI's machine may be shared too). Its wall time, under that load, must stay under half.
+CPU_SHARE = 0.1
+WALL_SHARE = 0.5
 
 
 def test_reference_calls_are_far_below_the_time_limit(full_run, second_seed_run):
     rows = [r for run in (full_run, second_seed_run) for r in run.of("solutions")]
     assert rows and all(r["time_limit"] > 0 for r in rows if r["calls"])
-    slow = sorted((r for r in rows if r["slowest_call"] > SLOWEST_SHARE * r["time_limit"]),
-                  key=lambda r: -r["slowest_call"])
-    slowest = sorted(rows, key=lambda r: -r["slowest_call"])[:5]
-    print("the reference's slowest calls:", *(f"{r['slowest_call']:.2f} s of {r['time_limit']:g} in {r['nodeid']}"
-                                             for r in slowest), sep="\n  ")
-    assert not slow, "\n".join(f"{r['nodeid']}: a call took {r['slowest_call']:.2f} s of its {r['time_limit']:g} s "
-                               "limit: make the case smaller" for r in slow)
+    assert any(r["slowest_call_cpu"] > 0 for r in rows), "the workers' CPU time was not measured"
+    slowest = sorted(rows, key=lambda r: -r["slowest_call_cpu"])[:6]
+    print("the reference's costliest calls:", *(f"{r['slowest_call_cpu']:.2f} s CPU ({r['slowest_call']:.2f} s wall) of "
+                                                f"{r['time_limit']:g} in {r['nodeid']}" for r in slowest), sep="\n  ")
+    costly = [f"{r['nodeid']}: a call took {r['slowest_call_cpu']:.2f} s of CPU, over {CPU_SHARE:g} of its "
+              f"{r['time_limit']:g} s limit: make the case smaller" for r in rows
+              if r["slowest_call_cpu"] > CPU_SHARE * r["time_limit"]]
+    costly += [f"{r['nodeid']}: a call took {r['slowest_call']:.2f} s, over {WALL_SHARE:g} of its {r['time_limit']:g} s "
+               "limit" for r in rows if r["slowest_call"] > WALL_SHARE * r["time_limit"]]
+    assert not costly, "\n".join(costly)
 
 
 def test_untouched_stubs_report_not_started(full_run, stubs_folder):

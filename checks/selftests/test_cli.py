@@ -159,10 +159,13 @@ def test_watch_checks_again_after_a_save(tmp_path):
     """`--watch` prints a verdict, then a fresh one after each save of a file in the checked folder."""
     from checks.benchmarks.check_speed import wait_for
 
+    from checks.selftests.test_grader_attacks import run_tag, worker_processes
+
     shutil.copy2(ROOT / "solutions" / "m01_rmsnorm.py", tmp_path)
+    tag = run_tag()
     process = subprocess.Popen([sys.executable, "-m", "checks", "m01", "--watch", "--impl", str(tmp_path)], cwd=ROOT,
                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                               env={**os.environ, "COLUMNS": "120"})
+                               env={**os.environ, "COLUMNS": "120", **tag})
     try:
         wait_for(process, "watching")
         target = tmp_path / "m01_rmsnorm.py"
@@ -178,12 +181,10 @@ def test_watch_checks_again_after_a_save(tmp_path):
         process.terminate()  # as a learner's Ctrl-C or a closed terminal would
         process.wait(timeout=10)
     assert process.returncode == 143, "a watch stopped by SIGTERM exits 143"
-    from checks.selftests.test_grader_attacks import worker_processes
-
     deadline = time.time() + 5
-    while worker_processes() and time.time() < deadline:
+    while worker_processes(tag["KVLAB_RUN_TAG"]) and time.time() < deadline:
         time.sleep(0.1)
-    assert not worker_processes(), "--watch left its workers running"
+    assert not worker_processes(tag["KVLAB_RUN_TAG"]), "--watch left its workers running"
 
 
 def test_doctor_lists_what_the_kit_uses():

@@ -206,15 +206,16 @@ def worker_attacks(tmp_path_factory):
     impls = [arg for folder in folders.values() for arg in ("--impl", str(folder))]
     report = top / "results.json"
     started = time.monotonic()
-    code, out = check_sh("m01", *impls, "--time-limit", "2", "--json", str(report))
+    tag = run_tag()
+    code, out = check_sh("m01", *impls, "--time-limit", "2", "--json", str(report), env=tag)
     seconds = time.monotonic() - started
     time.sleep(5)  # longer than the threads and children an attack leaves behind wait before they write
-    return folders, code, out, json.loads(report.read_text()), seconds, marker
+    return folders, code, out, json.loads(report.read_text()), seconds, marker, tag["KVLAB_RUN_TAG"]
 
 
 @pytest.mark.parametrize("name", IN_THE_WORKER)
 def test_an_attack_from_the_worker_fails(worker_attacks, name):
-    folders, code, out, results, _, _ = worker_attacks
+    folders, code, out, results, _, _, _ = worker_attacks
     assert code == 1 and results["passed"] is False
     rows = [r for r in results["results"] if r["impl"].endswith(f"/{name}")]
     one_line_failures(rows, IN_THE_WORKER[name][1])
@@ -222,23 +223,36 @@ def test_an_attack_from_the_worker_fails(worker_attacks, name):
 
 
 def test_the_run_goes_on_and_leaves_nothing_running(worker_attacks):
-    _, _, out, results, seconds, marker = worker_attacks
+    _, _, out, results, seconds, marker, tag = worker_attacks
     assert "Traceback" not in out
     assert not marker.exists(), marker.read_text()
     assert len({r["impl"] for r in results["results"]}) == len(IN_THE_WORKER)
-    assert not worker_processes(), f"worker processes left running: {worker_processes()}"
+    assert not worker_processes(tag), f"worker processes left running: {worker_processes(tag)}"
 
 
-def worker_processes() -> list[int]:
-    """Processes running the worker side (their command line holds the shipped `kvlab_worker` package)."""
+def worker_processes(tag: str | None = None) -> list[int]:
+    """Processes running the worker side: those of the run started with KVLAB_RUN_TAG=tag (the tag is in the
+    clean environment of its fork server, its workers and what they start), else any whose command line holds
+    the shipped `kvlab_worker` package (a fork server started afresh, as in the sandbox)."""
     found = []
     for entry in Path("/proc").iterdir():
         try:
-            if entry.name.isdigit() and b"kvlab_worker" in (entry / "cmdline").read_bytes():
+            if not entry.name.isdigit():
+                continue
+            if tag is None:
+                hit = b"kvlab_worker" in (entry / "cmdline").read_bytes()
+            else:
+                hit = f"KVLAB_RUN_TAG={tag}".encode() in (entry / "environ").read_bytes().split(b"\0")
+            if hit and int(entry.name) != os.getpid():
                 found.append(int(entry.name))
         except OSError:
             continue
     return found
+
+
+def run_tag() -> dict[str, str]:
+    """An environment that tags a run, so `worker_processes(tag)` finds its processes and no other run's."""
+    return {"KVLAB_RUN_TAG": f"selftest-{os.getpid()}-{time.monotonic_ns()}"}
 
 
 # ---- through `./check.sh grade`, in the sandbox -------------------------------------------------------
