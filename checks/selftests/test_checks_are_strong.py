@@ -50,11 +50,13 @@ def test_reference_passes_everything(full_run, second_seed_run):
             assert not failing, "\n".join(failing)
 
 
-# A reference call may take at most a tenth of its time limit on a 2-core machine like CI's, so that a machine
-# four times slower, or as busy, still gives the same verdict. It is measured as the worker's CPU time: what the
-# call takes on an idle machine, whatever else runs beside it (here the catalogue's runs share the cores with
-# the other tests, and CI's machine may be shared too). Its wall time, under that load, must stay under half.
-CPU_SHARE = 0.1
+# A reference call should take at most a tenth of its time limit on a quiet 2-core machine like CI's (0.62 s of
+# 10 at most, measured), so that a machine four times slower, or as busy, still gives the same verdict. Here it
+# is measured as the worker's CPU time, which does not count the time the worker waits for a core while the
+# catalogue's runs share the machine with the other tests; sharing still costs some (caches, a core's second
+# thread: about 1.6 times the quiet figure), so this fails at a fifth. Its wall time, under that load, must
+# stay under half.
+CPU_SHARE = 0.2
 WALL_SHARE = 0.5
 
 
