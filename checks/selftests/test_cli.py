@@ -158,7 +158,6 @@ def test_progress_is_kept_per_function():
 def test_watch_checks_again_after_a_save(tmp_path):
     """`--watch` prints a verdict, then a fresh one after each save of a file in the checked folder."""
     from checks.benchmarks.check_speed import wait_for
-
     from checks.selftests.test_grader_attacks import run_tag, worker_processes
 
     shutil.copy2(ROOT / "solutions" / "m01_rmsnorm.py", tmp_path)
