@@ -65,8 +65,9 @@ def test_reference_calls_are_far_below_the_time_limit(full_run, second_seed_run)
     assert rows and all(r["time_limit"] > 0 for r in rows if r["calls"])
     assert any(r["slowest_call_cpu"] > 0 for r in rows), "the workers' CPU time was not measured"
     slowest = sorted(rows, key=lambda r: -r["slowest_call_cpu"])[:6]
-    print("the reference's costliest calls:", *(f"{r['slowest_call_cpu']:.2f} s CPU ({r['slowest_call']:.2f} s wall) "
-                                                f"of {r['time_limit']:g} in {r['nodeid']}" for r in slowest), sep="\n  ")
+    shown = [f"{r['slowest_call_cpu']:.2f} s CPU ({r['slowest_call']:.2f} s wall) of {r['time_limit']:g} in "
+             f"{r['nodeid']}" for r in slowest]
+    print("the reference's costliest calls:", *shown, sep="\n  ")
     costly = [f"{r['nodeid']}: a call took {r['slowest_call_cpu']:.2f} s of CPU, over {CPU_SHARE:g} of its "
               f"{r['time_limit']:g} s limit: make the case smaller" for r in rows
               if r["slowest_call_cpu"] > CPU_SHARE * r["time_limit"]]
