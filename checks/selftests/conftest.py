@@ -51,9 +51,8 @@ def shipped(path: str) -> str:
 class Started:
     """`./check.sh all` running in the background; `result()` waits for it."""
 
-    def __init__(self, tmp: Path, *args: str, after: "tuple[Started, ...]" = (), idle: bool = False,
-                 targets: tuple[str, ...] = ("all",)):
-        self.report, self.args, self.after, self.idle = tmp / "results.json", args, after, idle
+    def __init__(self, tmp: Path, *args: str, after: "tuple[Started, ...]" = (), targets: tuple[str, ...] = ("all",)):
+        self.report, self.args, self.after = tmp / "results.json", args, after
         self.targets = targets
         self.process: subprocess.Popen | None = None
         self.done: Run | None = None
@@ -65,11 +64,10 @@ class Started:
         for before in self.after:  # a chain of runs, one after another
             before.ready.wait()
         env = {**os.environ, "PYTHONPATH": str(ROOT), "COLUMNS": "140"}
-        # An idle run takes only the CPU time the others leave.
+        # every run at the suite's own priority: at a lower one, other work on a busy machine would starve it
         self.process = subprocess.Popen([sys.executable, "-m", "checks", *self.targets, *self.args, "--json",
                                          str(self.report)], cwd=ROOT, env=env, stdout=subprocess.PIPE,
-                                        stderr=subprocess.STDOUT, text=True,
-                                        preexec_fn=(lambda: os.nice(19)) if self.idle else None)
+                                        stderr=subprocess.STDOUT, text=True)
         try:
             self.output, _ = self.process.communicate(timeout=1500)
         except subprocess.TimeoutExpired:
@@ -124,7 +122,7 @@ STARTED: dict[str, Started] = {}  # the runs below, by name (and "seed S" for th
 def start_runs(tmp_path_factory, stubs_folder: Path) -> dict[str, Started]:
     """The first seed's run, its hanging samples and the second seed's reference and variants, started
     together as the session starts (they are independent, and a machine has two cores at least); the mutants
-    on the other seeds in two chains, at the lowest priority, once the first run is done (they read which
+    on the other seeds in two processes, a run per seed, once the first run is done (they read which
     checks named each mutant there)."""
     if STARTED:
         return STARTED
@@ -136,17 +134,15 @@ def start_runs(tmp_path_factory, stubs_folder: Path) -> dict[str, Started]:
                            "--impl", str(stubs_folder), "--impl", "mutants", "--impl", "variants", "--impl", "crashes",
                            "--name-as-itself", targets=half) for n, half in enumerate(halves))
     STARTED["full"] = firsts
-    # the hanging samples spin a core each until their time limit: at the lowest priority, that spinning
-    # takes only the time the other runs leave (the limit is wall time, so the verdict is the same)
     STARTED["hangs"] = Started(tmp_path_factory.mktemp("hangs"), "--seed", str(SEEDS[0]), "--time-limit",
-                               str(HANG_LIMIT), "--impl", "hangs", idle=True)
+                               str(HANG_LIMIT), "--impl", "hangs")
     STARTED["second"] = Started(tmp_path_factory.mktemp("second"), "--seed", str(SEEDS[1]),
                                 "--impl", "solutions", "--impl", "variants")
     named_first = [a for first in firsts for a in ("--named-first", str(first.report))]
     for n, chain in enumerate((SEEDS[1::2], SEEDS[2::2])):  # each chain one process, a run per seed
         seeds = [a for seed in chain for a in ("--seed", str(seed))]
         STARTED[f"chain {n}"] = started = Started(tmp_path_factory.mktemp(f"chain{n}"), *seeds, "--impl", "mutants",
-                                                  "--until-named", *named_first, after=firsts, idle=True)
+                                                  "--until-named", *named_first, after=firsts)
         for seed in chain:
             STARTED[f"seed {seed}"] = OneSeed(started, seed)
     return STARTED
