@@ -224,6 +224,8 @@ def run(selected, args, impls: list[str] | None = None, extra: list[str] = (), r
     from checks.harness.loader import LoadError, named
     from checks.harness.report import Reporter, to_json
 
+    # The checks are the kit's pytest run, not the user's: options meant for their own test runs must not change it
+    os.environ.pop("PYTEST_ADDOPTS", None)
     impls = impls or args.impl or ["mine"]
     for label in impls:
         try:
