@@ -168,6 +168,9 @@ def grade(args, registry, run) -> int:
     if len(args.target) < 2:
         print("./check.sh grade: which folder? e.g. ./check.sh grade submissions/alice m01 m02", file=sys.stderr)
         return 2
+    if len(args.seed or []) > 1:
+        print("./check.sh grade: one --seed at most (a grade is one run)", file=sys.stderr)
+        return 2
     submission = Path(args.target[1]).expanduser()
     if not submission.is_dir():
         print(f"./check.sh grade: no such folder {submission}", file=sys.stderr)
