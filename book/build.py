@@ -110,9 +110,9 @@ class Built:
 # ---- collecting what the book shows --------------------------------------------------------------------
 
 
-def collect(results: Path) -> list[Entry]:
+def collect(results: Path, hints: Path = HINTS_OPENED) -> list[Entry]:
     state = progress.read_results(results)
-    opened = progress.read_results(HINTS_OPENED)
+    opened = progress.read_results(hints)
     stems = sorted({m.stem for m in modules()} | set(pages.stems_with_pages(ROOT)))
     entries = []
     for stem in stems:
@@ -226,11 +226,12 @@ def write(path: Path, html: str, built: Built) -> None:
     built.files.append(path)
 
 
-def build(out: Path | None = None, results: Path | None = None) -> Built:
-    """Render every page in both languages into `out` (replaced whole), and return what was written."""
+def build(out: Path | None = None, results: Path | None = None, hints: Path | None = None) -> Built:
+    """Render every page in both languages into `out` (replaced whole), and return what was written. The
+    progress and the opened hints come from `results` and `hints` (by default the learner's own, in .kvlab)."""
     started = time.perf_counter()
     out = Path(out or DEFAULT_OUT)
-    entries = collect(Path(results or RESULTS))
+    entries = collect(Path(results or RESULTS), Path(hints or HINTS_OPENED))
     env = environment()
     if out.exists() and any(out.iterdir()):
         if not (out / MARKER).is_file():

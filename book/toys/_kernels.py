@@ -26,10 +26,10 @@ HAS_TRITON = importlib.util.find_spec("triton") is not None
 
 if HAS_TRITON:
     import checks.harness.interpreter  # noqa: F401 - repairs the interpreter's bf16 dots (when it interprets)
-    from checks.harness.loading import repair_bf16_dot
+    from checks.harness.loading import prepare_interpreter
 
     if os.environ.get("TRITON_INTERPRET") == "1":
-        repair_bf16_dot()  # idempotent; also when interpreter.py was imported before the switch was set
+        prepare_interpreter()  # idempotent; also when interpreter.py was imported before the switch was set
 
 NOT_RUN = T("not run: this build has no GPU and TRITON_INTERPRET is not 1",
             "未运行：本次构建没有 GPU，TRITON_INTERPRET 也不是 1")

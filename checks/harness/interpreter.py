@@ -14,7 +14,7 @@ import os
 
 import torch
 
-from .loading import one_config_per_kernel, repair_bf16_dot
+from .loading import one_config_per_kernel, prepare_interpreter
 
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 DEVICE = torch.device("cuda" if torch.cuda.is_available() and not INTERPRETED else "cpu")
@@ -30,5 +30,5 @@ def verified_on() -> str:
 
 
 if INTERPRETED:
-    repair_bf16_dot()
+    prepare_interpreter()
 one_config_per_kernel()  # the catalogue's mutants replayed here to name a mistake: one config each, as in the worker

@@ -154,6 +154,91 @@ class Package:
                 f"NotImplementedError: finish {module_id} first")
 
 
+def prepare_interpreter() -> None:
+    """What the checks change in Triton's CPU interpreter, before a kernel runs in it (idempotent)."""
+    repair_bf16_dot()
+    remember_lang_builtins()
+    swap_once_per_launch()
+
+
+def remember_lang_builtins() -> None:
+    """Triton's interpreter swaps every builtin of `triton.language` for an interpreted one on each kernel
+    launch and on each call of a `@triton.jit` helper, finding them anew each time with `inspect.getmembers`
+    over the whole package: a fifth of a p06 engine check's time (seen with triton 3.9). Find each package's
+    builtins once and swap the same ones each time; the swap itself (and its undoing) is Triton's own. Left
+    as it is where the interpreter's internals differ from what this expects."""
+    import inspect
+
+    from triton import language as tl
+    from triton.runtime import interpreter
+
+    swap, patch_builtin = getattr(interpreter, "_patch_attr", None), getattr(interpreter, "_patch_builtin", None)
+    is_builtin = getattr(tl.core, "is_builtin", None)
+    if None in (swap, patch_builtin, is_builtin) or getattr(patch_builtin, "kvlab_remembered", False):
+        return
+    if list(inspect.signature(patch_builtin).parameters) != ["pkg", "builder", "scope"]:
+        return
+    builtins: dict[object, list[tuple[str, object]]] = {}
+
+    def _patch_builtin(pkg, builder, scope):
+        if pkg not in builtins:  # found while nothing is swapped: the first launch of this process's first kernel
+            builtins[pkg] = [(name, member) for name, member in inspect.getmembers(pkg) if is_builtin(member)]
+        for name, member in builtins[pkg]:
+            swap(pkg, name, member, builder, scope)
+
+    _patch_builtin.kvlab_remembered = True
+    interpreter._patch_builtin = _patch_builtin
+
+
+def swap_once_per_launch() -> None:
+    """The interpreter swaps `triton.language`'s builtins when a kernel launches and undoes it when the
+    launch ends, but it swaps them again on every call of a `@triton.jit` helper inside the kernel, once per
+    program of the grid (and never undoes those). Swap once per launch: a helper called inside a running
+    launch finds its modules swapped already and changes nothing. Launches that overlap (the ranks of a
+    simulated group are threads) share one swap, undone when the last of them ends. Left as it is where the
+    interpreter's internals differ from what this expects."""
+    import inspect
+    import threading
+
+    from triton import language as tl
+    from triton.runtime import interpreter
+
+    swap, scope_class = getattr(interpreter, "_patch_lang", None), getattr(interpreter, "_LangPatchScope", None)
+    if swap is None or scope_class is None or getattr(swap, "kvlab_once", False):
+        return
+    lock, thread = threading.Lock(), threading.local()
+    swaps: list = []  # the scopes of the swaps in force, in the order they were made
+    swapped: set[int] = set()  # the modules they swapped
+    running = [0]  # launches running now, in any thread
+
+    class Launch(scope_class):
+        """What a launch undoes when it ends: the swaps, once no other launch runs."""
+
+        def restore(self) -> None:
+            thread.launch = False
+            with lock:
+                running[0] -= 1
+                if running[0] == 0:
+                    while swaps:
+                        swaps.pop().restore()
+                    swapped.clear()
+
+    def _patch_lang(fn):
+        langs = {id(value) for value in fn.__globals__.values() if inspect.ismodule(value) and value in (tl, tl.core)}
+        with lock:
+            if not langs or not langs <= swapped:  # none in force, or a module this function sees is not swapped
+                swaps.append(swap(fn))
+                swapped.update(langs)
+            if getattr(thread, "launch", False):
+                return scope_class()  # a helper inside this thread's running launch: nothing of its own to undo
+            thread.launch = True
+            running[0] += 1
+            return Launch()
+
+    _patch_lang.kvlab_once = True
+    interpreter._patch_lang = _patch_lang
+
+
 def repair_bf16_dot() -> None:
     """Triton's CPU interpreter stores bfloat16 values as raw 16-bit patterns and its `tl.dot` multiplies
     those as integers (seen with triton 3.9); widen bf16 operands to fp32 first, as a GPU's tensor cores

@@ -412,9 +412,9 @@ class ForkServer:
             one_config_per_kernel()
 
             if os.environ.get("TRITON_INTERPRET") == "1":
-                from .loading import repair_bf16_dot
+                from .loading import prepare_interpreter
 
-                repair_bf16_dot()
+                prepare_interpreter()
         self.control.send(wire.pack(("ready", os.getpid())))
         while True:
             ready = __import__("select").select([self.control], [], [], 0.05)[0]

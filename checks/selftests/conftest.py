@@ -206,6 +206,25 @@ def second_seed_run(both_runs) -> Run:
     return both_runs["second"].result()
 
 
+# The book as a learner who finished m01, is half way through m02 and opened m03's first two hints would see
+# it, built once for the book's tests and the browser's.
+PROGRESS = {
+    "m01_rmsnorm": {"when": "2026-11-29 10:00", "checks": 12, "passed": 12, "not_started": 0},
+    "m02_thinker_attention": {"when": "2026-11-29 11:00", "checks": 29, "passed": 17, "not_started": 0},
+}
+HINTS_OPENED = {"m03_rope": [1, 2]}
+
+
+@pytest.fixture(scope="session")
+def built(tmp_path_factory):
+    from book import build as book
+
+    state = tmp_path_factory.mktemp("state")
+    (state / "results.json").write_text(json.dumps(PROGRESS))
+    (state / "hints.json").write_text(json.dumps(HINTS_OPENED))
+    return book.build(tmp_path_factory.mktemp("book") / "out", state / "results.json", state / "hints.json")
+
+
 @pytest.fixture(scope="session")
 def kit_copy(tmp_path_factory) -> Path:
     """A copy of the kit, for commands that write (reset)."""

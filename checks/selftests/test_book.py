@@ -1,5 +1,6 @@
 """The book builds, shows what the checks use, and holds together as a folder of static pages."""
 
+import functools
 import json
 import re
 from html.parser import HTMLParser
@@ -80,21 +81,6 @@ class Parsed(HTMLParser):
         return [[c["lines"] for c in r["cells"]] for r in self.tables[table] if r["cells"]]
 
 
-@pytest.fixture(scope="module")
-def results_file(tmp_path_factory) -> Path:
-    path = tmp_path_factory.mktemp("state") / "results.json"
-    path.write_text(json.dumps({
-        "m01_rmsnorm": {"when": "2026-11-29 10:00", "checks": 12, "passed": 12, "not_started": 0},
-        "m02_thinker_attention": {"when": "2026-11-29 11:00", "checks": 29, "passed": 17, "not_started": 0},
-    }))
-    return path
-
-
-@pytest.fixture(scope="module")
-def built(tmp_path_factory, results_file) -> book.Built:
-    return book.build(tmp_path_factory.mktemp("book") / "out", results_file)
-
-
 def page(built: book.Built, stem: str, lang: str = "en") -> Path:
     return built.out / ("" if lang == "en" else lang) / f"{stem}.html"
 
@@ -144,14 +130,15 @@ def test_pages_are_offline_and_static(built):
 
 def test_internal_links_resolve(built):
     checked = 0
+    parsed = functools.cache(Parsed)  # each page read once, however many links point into it
     for path in all_html(built):
-        for href in Parsed(path).links + [a for _, a in Parsed(path).resources]:
+        for href in parsed(path).links + [a for _, a in parsed(path).resources]:
             assert not href.startswith(("http:", "https:", "//")), f"{path.name} links out: {href}"
             target, _, anchor = href.partition("#")
             file = (path.parent / target).resolve() if target else path
             assert file.is_file(), f"{path.relative_to(built.out)}: {href} does not exist"
             if anchor:
-                assert anchor in Parsed(file).ids, f"{path.relative_to(built.out)}: #{anchor} not in {file.name}"
+                assert anchor in parsed(file).ids, f"{path.relative_to(built.out)}: #{anchor} not in {file.name}"
             checked += 1
     assert checked > 50
 
@@ -162,6 +149,14 @@ def test_every_page_links_to_the_same_page_in_the_other_language(built):
         assert f'class="lang-switch" href="zh/{stem}.html"' in en.read_text(encoding="utf-8")
         assert f'class="lang-switch" href="../{stem}.html"' in zh.read_text(encoding="utf-8")
         assert '<html lang="zh-Hans">' in zh.read_text(encoding="utf-8")
+
+
+def test_opened_hints_are_marked(built):
+    """The levels a learner opened with `./check.sh MODULE --hint` (test_cli checks the file it writes)."""
+    html = page(built, "m03_rope").read_text(encoding="utf-8")
+    assert 'class="hint level-1 opened"' in html and 'class="hint level-2 opened"' in html
+    assert 'class="hint level-3"' in html
+    assert 'class="hint level-1 opened"' not in page(built, "m02_thinker_attention").read_text(encoding="utf-8")
 
 
 def test_hints_are_folded_and_levelled(built):
@@ -184,7 +179,9 @@ def test_pages_without_chinese_text_say_so_in_chinese(built):
         assert (note in html) == (stem not in ZH_STEMS)
 
 
-def test_build_command_prints_the_index_and_its_time(tmp_path, capsys):
+def test_build_command_prints_the_index_and_its_time(tmp_path, capsys, monkeypatch, built):
+    toys_of = {entry.stem: entry.toy for entry in built.entries if entry.has_page}
+    monkeypatch.setattr(book.toys, "compute", toys_of.__getitem__)  # computed once, by `built`
     assert book.main(str(tmp_path / "book")) == 0
     out = capsys.readouterr().out
     assert re.search(r"Built the book in \d+\.\d s", out) and (tmp_path / "book" / "index.html").as_uri() in out

@@ -10,7 +10,6 @@ from pathlib import Path
 
 import pytest
 
-from book import build as book
 
 pytestmark = pytest.mark.browser
 
@@ -31,8 +30,8 @@ DESKTOP, PHONE = (1280, 900), (390, 844)
 
 
 @pytest.fixture(scope="module")
-def site(tmp_path_factory) -> Path:
-    return book.build(tmp_path_factory.mktemp("book") / "out").out
+def site(built) -> Path:
+    return built.out  # the book's tests' own build (conftest)
 
 
 @pytest.fixture(scope="module")
