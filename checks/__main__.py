@@ -67,8 +67,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="with --impl mutants: stop checking a mutant once a check rejects it by its name (the "
                              "kit's self-tests use it to try the catalogue on more seeds)")
     parser.add_argument("--name-as-itself", action="store_true",
-                        help="with --impl mutants: replay a mutant's failing check on that mutant only, to ask whether "
-                             "it is named as itself (the kit's self-tests), not on the whole catalogue")
+                        help="with --impl mutants: replay a mutant's failing checks on that mutant only, until one "
+                             "names it, to ask whether it is named as itself (the kit's self-tests), not on the whole "
+                             "catalogue")
     parser.add_argument("--named-first", metavar="RESULTS", action="append",
                         help="with --until-named: try each mutant first on the checks that named it in RESULTS (an "
                              "earlier run's --json)")

@@ -159,6 +159,7 @@ def prepare_interpreter() -> None:
     repair_bf16_dot()
     remember_lang_builtins()
     swap_once_per_launch()
+    remember_numpy_dtypes()
 
 
 def remember_lang_builtins() -> None:
@@ -237,6 +238,31 @@ def swap_once_per_launch() -> None:
 
     _patch_lang.kvlab_once = True
     interpreter._patch_lang = _patch_lang
+
+
+def remember_numpy_dtypes() -> None:
+    """The interpreter builds its table of Triton-to-numpy dtypes (eighteen `np.dtype`s) anew on every
+    operation that asks which numpy dtype a value has: a twentieth of an engine check's time. Ask it once per
+    dtype; the answer is its own."""
+    from triton import language as tl
+    from triton.runtime import interpreter
+
+    original = getattr(interpreter, "_get_np_dtype", None)
+    if original is None or getattr(original, "kvlab_remembered", False):
+        return
+    found: dict = {}
+    pointer = object()  # every pointer is stored as uint64, whatever it points to
+
+    def _get_np_dtype(tt_dtype):
+        key = tt_dtype.element_ty if isinstance(tt_dtype, tl.block_type) else tt_dtype  # a block: its elements'
+        if isinstance(key, tl.pointer_type):
+            key = pointer
+        if key not in found:
+            found[key] = original(tt_dtype)
+        return found[key]
+
+    _get_np_dtype.kvlab_remembered = True
+    interpreter._get_np_dtype = _get_np_dtype
 
 
 def repair_bf16_dot() -> None:

@@ -19,10 +19,11 @@ set_hypothesis_home_dir(ROOT / ".kvlab" / "hypothesis")  # its cache goes with t
 
 
 # Plays hypothesis may spend shrinking once an example failed. Shrinking to the very smallest example took up
-# to 450 plays (15 s on a 2-core machine) for one failing implementation; the first 60 cut most of an example
-# away. Past them, a new candidate counts as passing, so hypothesis reports the smallest failing example it
-# has found. A count, not a clock: the example reported for a seed is the same on any machine.
-SHRINK_PLAYS = 60
+# to 450 plays (15 s on a 2-core machine) for one failing implementation; the first 30 cut most of an example
+# away (p05's mutants: a failure reported one to three steps later than after 60 plays, or 450). Past them, a
+# new candidate counts as passing, so hypothesis reports the smallest failing example it has found. A count,
+# not a clock: the example reported for a seed is the same on any machine.
+SHRINK_PLAYS = 30
 
 
 def explore(impl, seed: int, strategy, play, max_examples: int, examples: str, learner: str) -> None:

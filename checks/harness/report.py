@@ -136,7 +136,10 @@ class Reporter:
         label = guarded.impl.label
         if (self.config.getoption("--until-named", False) or self.config.getoption("--name-as-itself", False)) \
                 and label.startswith("mutant:"):
-            # the question asked of a catalogued mutant here is only whether it is named as itself
+            # the question asked of a catalogued mutant here is only whether it is named as itself, and once a
+            # check has said yes, the mutant's later failures need not be replayed to ask it again
+            if label in self.named:
+                return []
             own, named_by = label.rsplit(":", 1)[1], only
             only = lambda mistake_id: mistake_id == own and (named_by is None or named_by(mistake_id))  # noqa: E731
         return [m.id for m in identify(guarded.events, stem, kind, guarded.time_limit, only)]
