@@ -23,6 +23,15 @@ import sys
 import time
 from pathlib import Path
 
+if __name__ == "__main__":
+    SIGNALLED: list[int] = []
+
+    def _stop(signum, frame):  # SIGTERM while the kit starts stops it as Ctrl-C does (`run`, `--watch` take over)
+        SIGNALLED.append(signum)
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, _stop)  # first, before anything slow loads
+
 sys.dont_write_bytecode = True  # never leave __pycache__ in a learner's or student's folder
 # The checks' tensors are tiny: one thread is faster than two spin-waiting ones, and far faster on a busy box.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -466,17 +475,10 @@ def leave(code: int) -> None:
 
 
 if __name__ == "__main__":
-    signalled: list[int] = []
-
-    def stop(signum, frame):  # SIGTERM while starting stops as Ctrl-C does (`run` and `--watch` take it over)
-        signalled.append(signum)
-        raise KeyboardInterrupt
-
-    signal.signal(signal.SIGTERM, stop)
     try:
         leave(main())
     except KeyboardInterrupt:
-        leave(stopped_early(signalled[0] if signalled else signal.SIGINT))
+        leave(stopped_early(SIGNALLED[0] if SIGNALLED else signal.SIGINT))
     except BrokenPipeError:  # `./check.sh list | head`: the reader left, nothing more to say
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         leave(0)

@@ -22,7 +22,7 @@ from checks.harness.modules import modules
 # Fixed, so the self-tests are reproducible. The first seed's run covers everything (every check on every
 # implementation), the second what must hold for any seed (the reference and the variants pass); on every
 # seed but the first, every catalogued mistake must still be rejected by its name (a verdict that does not
-# depend on the seed), each mutant checked only until that happens, first by the checks that named it on
+# depend on the seed), each mutant checked only until that happens, first by the check that named it on
 # the first seed.
 SEEDS = (2026, 7, 3, 11, 41, 99, 2718, 12345)
 # The broken samples that hang cost a whole time limit each (once per sample: the checks after it say "not
@@ -120,10 +120,10 @@ STARTED: dict[str, Started] = {}  # the runs below, by name (and "seed S" for th
 
 
 def start_runs(tmp_path_factory, stubs_folder: Path) -> dict[str, Started]:
-    """The first seed's run, its hanging samples and the second seed's reference and variants, started
-    together as the session starts (they are independent, and a machine has two cores at least); the mutants
-    on the other seeds in two processes, a run per seed, once the first run is done (they read which
-    checks named each mutant there)."""
+    """The first seed's run (in two halves), its hanging samples and the second seed's reference and variants,
+    started together as the session starts (they are independent, and a machine has two cores at least); then,
+    as each half of the first seed's run ends, the mutants of its modules on the other seeds, in one process
+    (a run per seed), which reads which checks named each mutant there."""
     if STARTED:
         return STARTED
     stems = [m.id for m in modules()]
@@ -138,13 +138,13 @@ def start_runs(tmp_path_factory, stubs_folder: Path) -> dict[str, Started]:
                                str(HANG_LIMIT), "--impl", "hangs")
     STARTED["second"] = Started(tmp_path_factory.mktemp("second"), "--seed", str(SEEDS[1]),
                                 "--impl", "solutions", "--impl", "variants")
-    named_first = [a for first in firsts for a in ("--named-first", str(first.report))]
-    for n, chain in enumerate((SEEDS[1::2], SEEDS[2::2])):  # each chain one process, a run per seed
-        seeds = [a for seed in chain for a in ("--seed", str(seed))]
-        STARTED[f"chain {n}"] = started = Started(tmp_path_factory.mktemp(f"chain{n}"), *seeds, "--impl", "mutants",
-                                                  "--until-named", *named_first, after=firsts)
-        for seed in chain:
-            STARTED[f"seed {seed}"] = OneSeed(started, seed)
+    seeds = [a for seed in SEEDS[1:] for a in ("--seed", str(seed))]
+    chains = tuple(Started(tmp_path_factory.mktemp(f"chain{n}"), *seeds, "--impl", "mutants", "--until-named",
+                           "--named-first", str(first.report), after=(first,), targets=half)
+                   for n, (half, first) in enumerate(zip(halves, firsts)))
+    STARTED["chains"] = chains
+    for seed in SEEDS[1:]:
+        STARTED[f"seed {seed}"] = Joined(tuple(OneSeed(chain, seed) for chain in chains))
     return STARTED
 
 

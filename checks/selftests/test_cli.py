@@ -260,8 +260,11 @@ def test_a_signal_stops_the_run_within_seconds(tmp_path, kind):
     env = {**os.environ, "COLUMNS": "120", "PYTHONPATH": str(ROOT)}
     run = subprocess.Popen([sys.executable, "-m", "checks", *args, *written], cwd=ROOT, env=env,
                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    if first_module is None:
-        time.sleep(0.5)  # still importing (whichever moment it lands in, the run must stop as it says)
+    if first_module is None:  # torch loading (the moment does not depend on the machine's speed)
+        deadline = time.monotonic() + 60
+        while b"libtorch" not in open(f"/proc/{run.pid}/maps", "rb").read():
+            assert run.poll() is None and time.monotonic() < deadline, "the run never loaded torch"
+            time.sleep(0.01)
     else:
         workers_started(run, first_module + 1)  # m01 done, the second module started
         time.sleep(2)
