@@ -29,7 +29,11 @@ SEEDS = (2026, 7, 3, 11, 41, 99, 2718, 12345)
 # run"); they run under a short one. Everything else runs under the learner's own limit, which a reference
 # call stays far below on a slow or busy machine (test_reference_calls_are_far_below_the_time_limit).
 HANG_LIMIT = 3
-LATER = ("p06", "p07")  # the second half of the first seed's run (about as costly as m01-p05)
+# The first seed's run in lanes, one process each, that end at about the same time once each lane's
+# mutants have run on the other seeds too: the model and the kernels; the scheduler (its random streams);
+# the engine and tensor parallelism (whose mutants cost the most on the other seeds). A module not named
+# here goes in the first lane.
+LANES = (("p05",), ("p06", "p07"))
 
 
 @dataclass
@@ -120,19 +124,18 @@ STARTED: dict[str, Started] = {}  # the runs below, by name (and "seed S" for th
 
 
 def start_runs(tmp_path_factory, stubs_folder: Path) -> dict[str, Started]:
-    """The first seed's run (in two halves), its hanging samples and the second seed's reference and variants,
+    """The first seed's run (in lanes), its hanging samples and the second seed's reference and variants,
     started together as the session starts (they are independent, and a machine has two cores at least); then,
-    as each half of the first seed's run ends, the mutants of its modules on the other seeds, in one process
+    as each lane of the first seed's run ends, the mutants of its modules on the other seeds, in one process
     (a run per seed), which reads which checks named each mutant there."""
     if STARTED:
         return STARTED
     stems = [m.id for m in modules()]
-    # the first seed's run in two halves of about equal cost, one per core: the model, the kernels and the
-    # scheduler, then the engine and tensor parallelism
-    halves = (tuple(i for i in stems if i not in LATER), tuple(i for i in stems if i in LATER))
+    laned = {stem for lane in LANES for stem in lane}
+    lanes = (tuple(i for i in stems if i not in laned),) + tuple(tuple(i for i in stems if i in lane) for lane in LANES)
     firsts = tuple(Started(tmp_path_factory.mktemp(f"full{n}"), "--seed", str(SEEDS[0]), "--impl", "solutions",
                            "--impl", str(stubs_folder), "--impl", "mutants", "--impl", "variants", "--impl", "crashes",
-                           "--name-as-itself", targets=half) for n, half in enumerate(halves))
+                           "--name-as-itself", targets=lane) for n, lane in enumerate(lanes))
     STARTED["full"] = firsts
     STARTED["hangs"] = Started(tmp_path_factory.mktemp("hangs"), "--seed", str(SEEDS[0]), "--time-limit",
                                str(HANG_LIMIT), "--impl", "hangs")
@@ -140,8 +143,8 @@ def start_runs(tmp_path_factory, stubs_folder: Path) -> dict[str, Started]:
                                 "--impl", "solutions", "--impl", "variants")
     seeds = [a for seed in SEEDS[1:] for a in ("--seed", str(seed))]
     chains = tuple(Started(tmp_path_factory.mktemp(f"chain{n}"), *seeds, "--impl", "mutants", "--until-named",
-                           "--named-first", str(first.report), after=(first,), targets=half)
-                   for n, (half, first) in enumerate(zip(halves, firsts)))
+                           "--named-first", str(first.report), after=(first,), targets=lane)
+                   for n, (lane, first) in enumerate(zip(lanes, firsts)))
     STARTED["chains"] = chains
     for seed in SEEDS[1:]:
         STARTED[f"seed {seed}"] = Joined(tuple(OneSeed(chain, seed) for chain in chains))

@@ -1,7 +1,6 @@
 """The book builds, shows what the checks use, and holds together as a folder of static pages."""
 
 import functools
-import json
 import re
 from html.parser import HTMLParser
 from pathlib import Path

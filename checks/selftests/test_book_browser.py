@@ -10,7 +10,6 @@ from pathlib import Path
 
 import pytest
 
-
 pytestmark = pytest.mark.browser
 
 CHROMIUM = Path("/usr/bin/chromium")

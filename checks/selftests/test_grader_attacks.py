@@ -404,9 +404,5 @@ def test_grade_refuses_without_a_sandbox_unless_told(tmp_path):
     done = subprocess.run([sys.executable, "-P", "-m", "checks", "grade", str(submission), "m01"], cwd=ROOT,
                           capture_output=True, text=True, env={**os.environ, **env, "PYTHONPATH": str(ROOT)})
     assert done.returncode == 2 and "--no-sandbox" in done.stderr
-    report = tmp_path / "r.json"
-    done = subprocess.run([sys.executable, "-P", "-m", "checks", "grade", str(submission), "m01", "--no-sandbox",
-                           "--gradescope", str(report)], cwd=ROOT, capture_output=True, text=True,
-                          env={**os.environ, **env, "PYTHONPATH": str(ROOT)})
-    assert done.returncode == 0, done.stdout + done.stderr
-    assert "WITHOUT the sandbox" in done.stdout and "WITHOUT the sandbox" in json.loads(report.read_text())["output"]
+    # with --no-sandbox it grades, and says so on screen and in the results: test_cli's signal test, whose grade
+    # (of the reference) runs so, checks both
