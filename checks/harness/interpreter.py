@@ -6,8 +6,10 @@ bfloat16 values as their raw 16-bit patterns and its `tl.dot` multiplies those p
 every bf16 `tl.dot` returns garbage there (seen with triton 3.9). The repair widens bf16 operands to
 fp32 before the product — the arithmetic a GPU's tensor cores do for bf16 (each product of two bf16
 values is exact in fp32, and the sum is kept in fp32) — so a kernel is checked on the CPU as it runs
-on the GPU. Nothing changes for compiled kernels, but for one thing the checks do everywhere: an autotuned
-kernel runs one config (`loading.one_config_per_kernel`), in the worker as in a replay here.
+on the GPU. It also spares the interpreter work that changes no result (`loading.prepare_interpreter`:
+the language's builtins swapped once per launch, each numpy dtype looked up once). Nothing changes for
+compiled kernels, but for one thing the checks do everywhere: an autotuned kernel runs one config
+(`loading.one_config_per_kernel`), in the worker as in a replay here.
 """
 
 import os

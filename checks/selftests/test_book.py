@@ -151,7 +151,11 @@ def test_every_page_links_to_the_same_page_in_the_other_language(built):
 
 
 def test_opened_hints_are_marked(built):
-    """The levels a learner opened with `./check.sh MODULE --hint` (test_cli checks the file it writes)."""
+    """The levels a learner opened with `./check.sh MODULE --hint` (test_cli checks the file it writes, and
+    the book reads that very file unless told another)."""
+    from checks.__main__ import HINTS
+
+    assert book.HINTS_OPENED == HINTS and book.collect.__defaults__ == (HINTS,)
     html = page(built, "m03_rope").read_text(encoding="utf-8")
     assert 'class="hint level-1 opened"' in html and 'class="hint level-2 opened"' in html
     assert 'class="hint level-3"' in html
