@@ -21,10 +21,11 @@ if not torch.cuda.is_available():
 
 from checks.harness.cases import case_seed, module_stem
 from checks.harness.guard import Guarded, Runs
+from checks.harness.limits import Cgroup
 from checks.harness.loader import Implementation, named
 from checks.harness.mistakes import catalogue
 from checks.harness.report import Reporter
-from checks.harness.worker import DEFAULT_MEMORY_LIMIT
+from checks.harness.worker import DEFAULT_MEMORY_LIMIT, Sandbox
 
 sys.dont_write_bytecode = True  # sibling imports in a checked folder must not leave __pycache__ there
 
@@ -51,8 +52,14 @@ def pytest_addoption(parser):
     group.addoption("--time-limit", type=float, default=10.0, help="seconds one learner call may take")
     group.addoption("--memory-limit", type=float, default=DEFAULT_MEMORY_LIMIT / 2**30,
                     help="GiB of memory the worker running learner code may use")
-    group.addoption("--sandbox", action="append", default=None, metavar="WRITABLE",
-                    help="run the worker inside bubblewrap, WRITABLE its one writable folder (./check.sh grade)")
+    group.addoption("--sandbox", default=None, metavar="SUBMISSION",
+                    help="run the worker inside bubblewrap, with its own copy of the folder SUBMISSION (./check.sh "
+                         "grade)")
+    group.addoption("--fixture-folder", default=None, metavar="DIR",
+                    help="with --sandbox: a folder only the grader writes, where checks put files for the worker "
+                         "to read (a checkpoint); read-only in the sandbox")
+    group.addoption("--cgroup", default=None, metavar="DIR",
+                    help="with --sandbox: the memory cgroup the sandbox runs in (./check.sh grade makes it)")
     group.addoption("--quiet-worker", action="store_true", help="drop what learner code prints")
     group.addoption("--shown", default=None, help="how reports name the checked folder (./check.sh grade)")
     group.addoption("--until-named", action="store_true",
@@ -83,13 +90,14 @@ def pytest_configure(config):
     # Started now, so the worker side imports torch while this process collects the checks.
     args = " ".join(map(str, config.args))
     triton = "test_p" in args or not any("test_" in a for a in map(str, config.args))
-    sandbox = config.getoption("--sandbox")
+    sandbox, fixtures, cgroup = (config.getoption(name) for name in ("--sandbox", "--fixture-folder", "--cgroup"))
     keep = config.getoption("--keep-server")
     runs = KEPT.get("runs") if keep else None
     if runs is None:
         runs = Runs(triton=triton, cuda=torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1",
                     memory_limit=int(config.getoption("--memory-limit") * 2**30),
-                    sandbox_writable=[Path(p) for p in sandbox] if sandbox else None,
+                    sandbox=Sandbox(Path(sandbox), fixtures and Path(fixtures),
+                                    cgroup and Cgroup.at(cgroup)) if sandbox else None,
                     quiet=config.getoption("--quiet-worker"))
         if not all("selftests" in a for a in map(str, config.args)):  # the kit's self-tests check no module here
             runs.start()

@@ -6,9 +6,11 @@ pass, for whatever reason (wrong, crashed, timed out, never ran), earns nothing.
 optional oracle that is absent) are left out of the share; optional checks are worth nothing.
 """
 
+import contextlib
 import json
 import os
 import shutil
+import stat
 import subprocess
 import sys
 import tempfile
@@ -17,6 +19,7 @@ import xml.etree.ElementTree as ET
 from dataclasses import dataclass
 from pathlib import Path
 
+from checks.harness.limits import make_for_sandbox
 from checks.harness.modules import find
 
 SANDBOX_OFF = ("graded WITHOUT the sandbox (--no-sandbox): the submission ran with the grader's own "
@@ -70,7 +73,7 @@ def module_name(stem: str) -> str:
     return f"{module.id} · {module.title}" if module else stem
 
 
-def score_lines(checks: list[Check], sandboxed: bool) -> list[str]:
+def score_lines(checks: list[Check], notices: list[str]) -> list[str]:
     lines, total, most = [], 0.0, 0.0
     for stem in dict.fromkeys(c.module for c in checks):
         mine = [c for c in checks if c.module == stem]
@@ -78,15 +81,15 @@ def score_lines(checks: list[Check], sandboxed: bool) -> list[str]:
         total, most = total + got, most + out_of
         lines.append(f"{module_name(stem)}: {got:g} / {out_of:g} points")
     lines.append(f"score: {total:g} / {most:g}")
-    if not sandboxed:
-        lines.append(SANDBOX_OFF)
-    return lines
+    return lines + notices
 
 
+MEMORY_UNCOUNTED = ("memory: no memory cgroup here ({}): the worker's limit counts its mapped memory only, not "
+                    "shared memory or files it keeps in memory")
 INTERRUPTED = "interrupted (Ctrl-C or SIGTERM) before the end: the checks that never ran are missing from this score"
 
 
-def gradescope(checks: list[Check], seconds: float, sandboxed: bool, seed: int, interrupted: bool = False) -> dict:
+def gradescope(checks: list[Check], seconds: float, notices: list[str], seed: int) -> dict:
     """Gradescope's autograder results.json: one test per check, with its score and its reasons."""
     tests = []
     for number, check in enumerate(checks, 1):
@@ -101,7 +104,7 @@ def gradescope(checks: list[Check], seconds: float, sandboxed: bool, seed: int, 
             "visibility": "visible",
             "tags": [module.id if module else check.module],
         })
-    summary = score_lines(checks, sandboxed) + ([INTERRUPTED] if interrupted else [])
+    summary = score_lines(checks, notices)
     return {
         "score": round(sum(c.score for c in checks), 2),
         "execution_time": round(seconds, 1),
@@ -112,7 +115,7 @@ def gradescope(checks: list[Check], seconds: float, sandboxed: bool, seed: int, 
     }
 
 
-def junit(results: list, sandboxed: bool) -> bytes:
+def junit(results: list, notices: list[str]) -> bytes:
     """JUnit XML: a testsuite per module, a testcase per case, `<failure>` with the one-line reason."""
     suites = ET.Element("testsuites", name="KV Lab")
     for stem in dict.fromkeys(r.module for r in results):
@@ -121,8 +124,10 @@ def junit(results: list, sandboxed: bool) -> bytes:
         suite = ET.SubElement(suites, "testsuite", name=module_name(stem), tests=str(len(rows)),
                               failures=str(len(failures)), skipped=str(sum(r.status == "skipped" for r in rows)),
                               time=f"{sum(r.seconds for r in rows):.3f}")
-        if not sandboxed:
-            ET.SubElement(ET.SubElement(suite, "properties"), "property", name="sandbox", value=SANDBOX_OFF)
+        if notices:
+            properties = ET.SubElement(suite, "properties")
+            for number, notice in enumerate(notices, 1):
+                ET.SubElement(properties, "property", name=f"notice{number}", value=notice)
         for r in rows:
             case = ET.SubElement(suite, "testcase", classname=f"{stem}.{r.function or 'check'}",
                                  name=f"{r.check} [{r.case}]" if r.case else r.check, time=f"{r.seconds:.3f}")
@@ -134,15 +139,15 @@ def junit(results: list, sandboxed: bool) -> bytes:
     return ET.tostring(suites, encoding="utf-8", xml_declaration=True)
 
 
-def write_outputs(results: list, seconds: float, sandboxed: bool, seed: int, gradescope_file: str | None,
-                  junit_file: str | None, interrupted: bool = False) -> list[Check]:
+def write_outputs(results: list, seconds: float, notices: list[str], seed: int, gradescope_file: str | None,
+                  junit_file: str | None) -> list[Check]:
     checks = checks_of(results)
     if gradescope_file:
         with open(gradescope_file, "w", encoding="utf-8") as out:
-            json.dump(gradescope(checks, seconds, sandboxed, seed, interrupted), out, indent=1)
+            json.dump(gradescope(checks, seconds, notices, seed), out, indent=1)
     if junit_file:
         with open(junit_file, "wb") as out:
-            out.write(junit(results, sandboxed))
+            out.write(junit(results, notices))
     return checks
 
 
@@ -190,19 +195,30 @@ def grade(args, registry, run) -> int:
         return 2
     shown = str(submission).rstrip("/") or "."
     started = time.perf_counter()
-    with tempfile.TemporaryDirectory(prefix="kvlab-grade-") as temp:
-        copy = Path(temp) / "submission"
-        shutil.copytree(submission, copy, symlinks=True, ignore=shutil.ignore_patterns("__pycache__", ".git"))
-        open_to_the_worker(Path(temp), copy)
-        extra = ["--shown", shown, "--quiet-worker"] + (["--sandbox", str(copy)] if sandboxed else [])
+    notices = [] if sandboxed else [SANDBOX_OFF]
+    with private_folder("kvlab-grade-") as (temp, also_remove):
+        copy, fixtures = Path(temp) / "submission", Path(temp) / "fixtures"
+        for note in copy_submission(submission, copy):
+            print(f"./check.sh grade: {note}", file=sys.stderr)
+        fixtures.mkdir(mode=0o755)
+        extra = ["--shown", shown, "--quiet-worker"]
+        if sandboxed:
+            extra += ["--sandbox", str(copy), "--fixture-folder", str(fixtures)]
+            cgroup, why_not = make_for_sandbox(Path(temp).name, int(args.memory_limit * 2**30))
+            if cgroup is None:
+                notices.append(MEMORY_UNCOUNTED.format(why_not))
+            else:
+                also_remove(cgroup.path)
+                extra += ["--cgroup", str(cgroup.path)]
         reporter = Reporter(None, render=True)
         code = run(selected, args, impls=[str(copy)], extra=extra, remember_results=False, reporter=reporter)
     seconds = time.perf_counter() - started
-    interrupted = code >= 128  # stopped by a signal: what finished is scored, and every output says so
-    checks = write_outputs(reporter.results, seconds, sandboxed, getattr(reporter.config, "kvlab_seed", 0),
-                           args.gradescope, args.junit, interrupted)
+    if code >= 128:  # stopped by a signal: what finished is scored, and every output says so
+        notices.append(INTERRUPTED)
+    checks = write_outputs(reporter.results, seconds, notices, getattr(reporter.config, "kvlab_seed", 0),
+                           args.gradescope, args.junit)
     print()
-    for line in score_lines(checks, sandboxed) + ([INTERRUPTED] if interrupted else []):
+    for line in score_lines(checks, notices):
         print(line)
     for kind, path in (("Gradescope results", args.gradescope), ("JUnit XML", args.junit)):
         if path:
@@ -210,12 +226,65 @@ def grade(args, registry, run) -> int:
     return code
 
 
-def open_to_the_worker(temp: Path, copy: Path) -> None:
-    """A sandboxed worker runs as an unprivileged user: it must read (and may write) the copy."""
-    temp.chmod(0o755)
-    for folder, dirs, files in os.walk(copy):
-        os.chmod(folder, 0o777)
-        for name in files:
-            path = Path(folder) / name
-            if not path.is_symlink():
-                path.chmod(0o666)
+MAX_SUBMISSION = 64 << 20  # bytes of a submission's files that are copied to grade (module files weigh kilobytes)
+
+
+def copy_submission(source: Path, copy: Path) -> list[str]:
+    """The grader's own copy of a submission: its folders, regular files and symbolic links (kept as links,
+    never followed), skipping anything else (a named pipe would block the copy) and `.git`/`__pycache__`, up
+    to `MAX_SUBMISSION` bytes. Returns what was left out, in words."""
+    notes, total = [], 0
+    copy.mkdir(mode=0o755)
+    for folder, dirs, files in os.walk(source):
+        dirs[:] = sorted(d for d in dirs if d not in (".git", "__pycache__"))
+        here = copy / Path(folder).relative_to(source)
+        here.mkdir(mode=0o755, exist_ok=True)
+        for name in sorted(files) + [d for d in dirs if (Path(folder) / d).is_symlink()]:
+            path, target = Path(folder) / name, here / name
+            mode = path.lstat().st_mode
+            if stat.S_ISLNK(mode):
+                target.symlink_to(os.readlink(path))
+            elif not stat.S_ISREG(mode):
+                notes.append(f"left out {path.relative_to(source)}: not a regular file")
+            elif total + path.lstat().st_size > MAX_SUBMISSION:
+                notes.append(f"left out {path.relative_to(source)}: the submission's files pass "
+                             f"{MAX_SUBMISSION >> 20} MiB")
+            else:
+                total += path.lstat().st_size
+                shutil.copyfile(path, target, follow_symlinks=False)
+                target.chmod(0o644)
+    return notes
+
+
+CLEANER = """import os, shutil, sys, time
+folder, *empty = sys.stdin.buffer.read().decode().splitlines()  # until the grader's end closes, however it ends
+shutil.rmtree(folder, ignore_errors=True)
+for _ in range(100):  # a cgroup goes once the sandbox's last process has ended
+    try:
+        [os.rmdir(path) for path in empty if os.path.isdir(path)]
+        break
+    except OSError:
+        time.sleep(0.05)
+"""
+
+
+@contextlib.contextmanager
+def private_folder(prefix: str):
+    """A new temporary folder (only this user may enter it), removed at the end of the block and also when this
+    process ends however it ends (SIGKILL included): a small process of its own session reads its paths from a
+    pipe until this process's end closes, which the kernel does on any exit, then removes the folder and the
+    empty folders (a cgroup) given to `also_remove` in the block."""
+    folder = tempfile.mkdtemp(prefix=prefix)
+    cleaner = subprocess.Popen([sys.executable, "-I", "-c", CLEANER], stdin=subprocess.PIPE,
+                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+
+    def also_remove(path: Path) -> None:
+        cleaner.stdin.write(f"{path}\n".encode())
+        cleaner.stdin.flush()
+
+    also_remove(Path(folder))
+    try:
+        yield folder, also_remove
+    finally:
+        cleaner.stdin.close()
+        cleaner.wait()

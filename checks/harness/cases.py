@@ -1,5 +1,6 @@
 """Names and seeds of check cases, shared by the fixtures (`conftest.py`) and the report."""
 
+import tempfile
 import zlib
 from pathlib import Path
 
@@ -29,9 +30,14 @@ def case_seed(item) -> int:
 
 
 def checkpoint_folder(request, tmp_path: Path) -> Path:
-    """Where a check writes a checkpoint the worker can read: a temp folder, or under `grade`'s sandbox the
-    submission's temporary copy (the one folder the worker sees besides the system's)."""
-    writable = request.config.getoption("--sandbox")
-    folder = Path(writable[0]) / ".kvlab-checkpoint" if writable else tmp_path / "checkpoint"
-    folder.mkdir(parents=True, exist_ok=True)
+    """Where a check writes a checkpoint the worker can read: a temp folder, or under `grade`'s sandbox a fresh
+    folder in the grader's private `--fixture-folder` (read-only in the sandbox): never a folder the submission
+    can write or prepare, since the checks write there with the grader's rights."""
+    fixtures = request.config.getoption("--fixture-folder") if request.config.getoption("--sandbox") else None
+    if fixtures is None:
+        folder = tmp_path / "checkpoint"
+        folder.mkdir(parents=True, exist_ok=True)
+        return folder
+    folder = Path(tempfile.mkdtemp(prefix="checkpoint-", dir=fixtures))
+    folder.chmod(0o755)  # the worker's unprivileged user reads it; only the grader writes it
     return folder

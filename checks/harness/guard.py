@@ -25,14 +25,13 @@ import dataclasses
 import os
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import torch
 
 from . import wire
 from .loader import Implementation
 from .values import copy_with_layout, whole_storage
-from .worker import DEFAULT_MEMORY_LIMIT, ForkServer, Overran, Session, WorkerGone
+from .worker import DEFAULT_MEMORY_LIMIT, ForkServer, Overran, Sandbox, Session, WorkerGone
 
 IMPORT_TIME_LIMIT = 30.0  # seconds; importing torch inside a learner's file is already paid for
 
@@ -260,9 +259,8 @@ class Runs:
     """Every module run of this pytest session, over one fork server."""
 
     def __init__(self, *, triton: bool, cuda: bool, memory_limit: int = DEFAULT_MEMORY_LIMIT,
-                 sandbox_writable: list[Path] | None = None, quiet: bool = False):
-        self.server = ForkServer(triton=triton, cuda=cuda, memory_limit=memory_limit,
-                                 sandbox_writable=sandbox_writable, quiet=quiet)
+                 sandbox: Sandbox | None = None, quiet: bool = False):
+        self.server = ForkServer(triton=triton, cuda=cuda, memory_limit=memory_limit, sandbox=sandbox, quiet=quiet)
         self.runs: dict[tuple[str, str], ModuleRun] = {}
 
     def start(self) -> None:

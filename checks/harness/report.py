@@ -6,6 +6,7 @@ one-line reasons only: the case's seed, the error against the tolerance, and the
 mistake the learner's output matches, if any — never a pytest traceback.
 """
 
+import re
 import sys
 import time
 from dataclasses import asdict, dataclass, field
@@ -40,6 +41,28 @@ class Result:
     slowest_call_cpu: float = 0.0  # the worker's CPU seconds in its costliest call (0 where not measured)
     time_limit: float = 0.0
     run_seed: int | None = None  # the run's base seed (./check.sh --seed S), from which `seed` is derived
+
+
+REASON_LIMIT = 300  # characters of one reason: what a learner's code says is cut here, before any output
+
+
+def first_line(text: str) -> str:
+    text = text.strip()
+    end = text.find("\n")
+    return text if end < 0 else text[:end]
+
+
+def said(text: str, lines: bool = False, limit: int = REASON_LIMIT) -> str:
+    """`text` as every output may show it: no terminal escape sequences or other control or format characters
+    (a reason must not move the cursor, recolour the report, reorder text or break XML), at most `limit`
+    characters per line (and four lines where `lines`)."""
+    text = _ESCAPES.sub("", text[: 8 * limit])
+    kept = "".join(c if c == "\n" and lines else c if c.isprintable() else "?" if c not in "\n\t" else " " for c in text)
+    rows = kept.split("\n")[:4] if lines else [kept]
+    return "\n".join(row if len(row) <= limit else row[: limit - 1] + "…" for row in rows)
+
+
+_ESCAPES = re.compile(r"\x1b\[[0-?]*[ -/]*[@-~]|\x1b\][^\x07\x1b]*(?:\x07|\x1b\\)?|\x1b[@-_]|\x9b[0-?]*[ -/]*[@-~]")
 
 
 def check_title(item) -> str:
@@ -100,16 +123,23 @@ class Reporter:
             return result
         error = call.excinfo.value
         if isinstance(error, NotStarted):
-            result.status, result.reason = "not started", str(error)
+            result.status, result.reason = "not started", said(str(error), lines=True)
         elif isinstance(error, (LearnerError, Mismatch)) or type(error) is AssertionError:
-            result.status, result.reason = "failed", str(error).strip().splitlines()[0]
+            result.status, result.reason = "failed", said(first_line(str(error)))
             if isinstance(error, Mismatch) or getattr(error, "identifiable", False):
                 result.mistakes = self.name_mistakes(item, stem)
         else:
             entry = call.excinfo.traceback[-1]
-            result.status = "kit error"
-            where = str(entry.path).rsplit("/", 1)[-1]
-            result.reason = f"{type(error).__name__}: {error} ({where} line {entry.lineno + 1})"
+            where = f"{str(entry.path).rsplit('/', 1)[-1]} line {entry.lineno + 1}"
+            failure = f"{type(error).__name__}: {first_line(str(error))}"
+            if guarded is not None and guarded.impl.kind == "learner" and guarded.called:
+                # What a learner's code gave the check (an object whose fields are not what the page says, a reply
+                # the worker forged) broke the check's own reading of it: the submission's failure, not the kit's.
+                result.status = "failed"
+                result.reason = said(f"the check could not use what `{guarded.called[-1]}` gave it ({failure}, at "
+                                     f"{where})")
+            else:
+                result.status, result.reason = "kit error", said(f"{failure} ({where})")
         return result
 
     def deny_missing(self) -> None:

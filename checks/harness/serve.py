@@ -161,8 +161,8 @@ class Worker:
         wire.send(self.sock, (tree, codec.storages))
 
     def receive(self):
-        tree, storages = wire.receive(self.sock)
-        return WorkerCodec(self).decode(tree, storages)
+        tree, storages, size = wire.parts(*wire.receive(self.sock))
+        return WorkerCodec(self).decode(tree, storages, size)
 
     def callback(self, number: int):
         def call_back(*args, **kwargs):
@@ -365,6 +365,15 @@ def _libc():
     return ctypes.CDLL(None, use_errno=True)
 
 
+def lower(kind: int, value: int) -> None:
+    """Hold this process to `value` (soft and hard), or to the hard limit it inherited where that is lower:
+    a limit is only ever lowered (raising one needs a capability the sandbox does not give)."""
+    _, hard = resource.getrlimit(kind)
+    if hard != resource.RLIM_INFINITY:
+        value = min(value, hard)
+    resource.setrlimit(kind, (value, value))
+
+
 def tasks_of(uid: int) -> int:
     """Processes and threads of `uid` that this process can see (what RLIMIT_NPROC counts)."""
     count = 0
@@ -402,6 +411,8 @@ class ForkServer:
 
     def run(self) -> None:
         _libc().prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
+        if self.options.get("populate"):
+            populate(*self.options["populate"])
         # the interpreter's own numpy warnings (log2 of 0 in a masked lane) are noise in a learner's report
         warnings.filterwarnings("ignore", category=RuntimeWarning, module="triton")
         if self.options.get("triton"):
@@ -464,16 +475,21 @@ class ForkServer:
         os.setsid()
         limit = self.options.get("memory_limit")
         if limit and not self.options.get("cuda"):  # CUDA reserves far more address space than it uses
-            resource.setrlimit(resource.RLIMIT_AS, (virtual_bytes() + limit,) * 2)
-        resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
-        resource.setrlimit(resource.RLIMIT_FSIZE, (FILE_SIZE_LIMIT,) * 2)
+            lower(resource.RLIMIT_AS, virtual_bytes() + limit)
+        lower(resource.RLIMIT_CORE, 0)
+        lower(resource.RLIMIT_FSIZE, FILE_SIZE_LIMIT)
+        try:  # at a memory cgroup's limit, the kernel stops a worker, not the fork server (which runs no learner code)
+            with open("/proc/self/oom_score_adj", "w") as score:
+                score.write("1000")
+        except OSError:
+            pass
         uid = self.options.get("uid")
         if uid is not None and os.getuid() == 0:
             os.setgroups([])
             os.setgid(uid)
             os.setuid(uid)
         if os.getuid() != 0:  # root is never held to RLIMIT_NPROC
-            resource.setrlimit(resource.RLIMIT_NPROC, (tasks_of(os.getuid()) + PROCESS_MARGIN,) * 2)
+            lower(resource.RLIMIT_NPROC, tasks_of(os.getuid()) + PROCESS_MARGIN)
         _libc().prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)  # after setuid, which clears it
 
     def tend(self) -> None:
@@ -529,6 +545,29 @@ class ForkServer:
         while (self.workers or self.strays()) and time.monotonic() < deadline:
             self.tend()
             time.sleep(0.005)
+
+
+def populate(source: str, target: str) -> None:
+    """The worker's own copy of the submission, in the sandbox's memory filesystem at `target`: folders,
+    regular files and symbolic links of `source` (the grader's copy, read-only), nothing else (a pipe or a
+    device would block or leak), every file readable and writable by the workers' unprivileged user."""
+    import stat
+
+    for folder, dirs, files in os.walk(source):
+        relative = os.path.relpath(folder, source)
+        here = target if relative == "." else os.path.join(target, relative)
+        os.makedirs(here, exist_ok=True)
+        os.chmod(here, 0o777)
+        for name in files + [d for d in dirs if os.path.islink(os.path.join(folder, d))]:
+            path, copy = os.path.join(folder, name), os.path.join(here, name)
+            mode = os.lstat(path).st_mode
+            if stat.S_ISLNK(mode):
+                os.symlink(os.readlink(path), copy)
+            elif stat.S_ISREG(mode):
+                with open(path, "rb") as src, open(copy, "wb") as dst:
+                    while chunk := src.read(1 << 20):
+                        dst.write(chunk)
+                os.chmod(copy, 0o666)
 
 
 def _kill(pid: int) -> None:

@@ -27,6 +27,17 @@ _DTYPES = {str(d).removeprefix("torch."): d for d in (
 _SCALARS = (type(None), bool, int, float, str, bytes)
 
 
+def node_budget(size: int) -> int:
+    """Values a message of `size` bytes may stand for: every value costs pickle at least a byte."""
+    return 2 * size + 10_000
+
+
+def tensor_budget(size: int) -> int:
+    """Bytes of tensors a message of `size` bytes may stand for (views can be larger than their storage: an
+    expanded tensor, a cache's chunks viewed twice), at most eight times the message or 64 MiB."""
+    return max(8 * size, 64 << 20)
+
+
 class WireError(Exception):
     """A message that does not decode: the other side sent something that is not a value."""
 
@@ -91,12 +102,33 @@ class Codec:
         raise WireError(f"a {type(value).__name__} cannot be sent")
 
     # ---- decoding ----
-    def decode(self, tree, storages: list[bytes]):
+    def decode(self, tree, storages: list[bytes], size: int = MAX_MESSAGE, deadline: float | None = None):
+        """The value `tree` stands for. A message of `size` bytes may stand for at most `node_budget(size)`
+        values and tensors of `tensor_budget(size)` bytes in all, each storage its own bytes: pickle's memo lets
+        a few hundred bytes name a tree of 2**100 nodes or one blob as a thousand storages, and those are
+        refused, as is a decode past `deadline`. Any failure is a `WireError`: the other side's fault."""
+        if type(storages) is not list or any(type(b) is not bytes for b in storages):
+            raise WireError("a message whose storages are not bytes")
+        if len({id(b) for b in storages}) != len(storages) or sum(map(len, storages)) > size:
+            raise WireError("a message whose storages share bytes (more data than the message carried)")
         self._decoded_storages: dict[tuple[int, str], torch.UntypedStorage] = {}
         self._incoming = storages
-        return self._decode(tree)
+        self._nodes_left, self._bytes_left, self._deadline = node_budget(size), tensor_budget(size), deadline
+        try:
+            return self._decode(tree)
+        except WireError:
+            raise
+        except RecursionError:
+            raise WireError("a message nested too deep") from None
+        except Exception as error:  # noqa: BLE001 - whatever a malformed message breaks is the sender's fault
+            raise WireError(f"a message that does not decode ({type(error).__name__}: {str(error)[:100]})") from None
 
     def _decode(self, node):
+        self._nodes_left -= 1
+        if self._nodes_left < 0:
+            raise WireError("a message that stands for more values than it has bytes")
+        if self._deadline is not None and self._nodes_left % 4096 == 0 and time.monotonic() > self._deadline:
+            raise Timeout
         if type(node) in _SCALARS:
             return node
         if type(node) is not tuple or not node or type(node[0]) is not str:
@@ -125,6 +157,14 @@ class Codec:
         if type(device) is not str or not (device == "cpu" or device.startswith("cuda")):
             raise WireError(f"a tensor on an unknown device {device!r}")
         shape, stride = _ints(shape), _ints(stride)
+        if not 0 <= len(shape) <= 16 or any(n < 0 for n in shape) or type(offset) is not int:
+            raise WireError("a tensor with a malformed shape")
+        numel = 1
+        for n in shape:
+            numel *= n
+        self._bytes_left -= numel * _DTYPES[dtype].itemsize
+        if self._bytes_left < 0:  # a view repeating a few bytes many times (stride 0) is as large as it reads
+            raise WireError("tensors far larger than the message that carried them")
         storage = self._decoded_storages.get((index, device))
         if storage is None:
             data = self._incoming[index]
@@ -198,11 +238,19 @@ def send(sock, message) -> None:
 
 
 def receive(sock, deadline: float | None = None):
-    """The next message; `Timeout` once `deadline` (time.monotonic()) passes, `Closed` on end of file."""
+    """The next message and its size in bytes; `Timeout` once `deadline` (time.monotonic()) passes, `Closed`
+    on end of file."""
     (size,) = struct.unpack("<Q", _read(sock, 8, deadline))
     if size > MAX_MESSAGE:
         raise WireError(f"a message of {size} bytes (at most {MAX_MESSAGE})")
-    return unpack(_read(sock, size, deadline))
+    return unpack(_read(sock, size, deadline)), size
+
+
+def parts(message, size: int) -> tuple:
+    """A received message's value tree, its storages and its size; a `WireError` if it is not such a pair."""
+    if type(message) is not tuple or len(message) != 2:
+        raise WireError("a message that is not a (value, storages) pair")
+    return message[0], message[1], size
 
 
 def _read(sock, size: int, deadline: float | None) -> bytes:

@@ -8,11 +8,15 @@ each reply under a deadline. A worker that overruns its deadline is killed, whic
 inside C code or a GPU kernel; a worker that exits or dies (`sys.exit`, `os._exit`, a signal, a
 segfault) is described in one line; either way the next request gets a fresh worker.
 
-With `sandbox=True` (`./check.sh grade`) the fork server runs inside bubblewrap: its own pid, ipc, uts
-and network namespaces (no network), a filesystem of read-only system and Python folders only, a tmpfs
-for /tmp, the submission's copy as the one writable folder, no view of the kit (its `solutions/`,
-`checks/`, `.kvlab/`) or of the oracle library (transformers), and workers that drop to an unprivileged
-user so the process limit holds.
+With a `Sandbox` (`./check.sh grade`) the fork server runs inside bubblewrap: its own pid, ipc, uts
+and network namespaces (no network), a filesystem of read-only system and Python folders only, no view of
+the kit (its `solutions/`, `checks/`, `.kvlab/`) or of the oracle library (transformers), only the
+capabilities it needs to fork workers that drop to an unprivileged user (so the process limit holds), and
+size-limited memory filesystems for everything a worker may write: `/tmp`, `/dev/shm` and the submission's
+folder, which the server fills from a read-only view of the grader's copy before it serves. The checks'
+own files for the worker (a checkpoint) lie in a folder only the grader writes, seen read-only inside.
+Where the machine lets this process make a memory cgroup, the whole sandbox runs in one (`limits.py`):
+shared memory and files in those filesystems count against its limit too.
 """
 
 import gc
@@ -26,9 +30,11 @@ import subprocess
 import sys
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 from . import wire
+from .limits import Cgroup
 
 HERE = Path(__file__).resolve().parent
 SHIPPED = ("values", "wire", "loading", "serve")  # the worker side, run as text (imports only stdlib + torch)
@@ -39,6 +45,10 @@ PASSED_ENV = ("PATH", "LD_LIBRARY_PATH", "LANG", "LC_ALL", "TZ", "OMP_NUM_THREAD
               "TRITON_INTERPRET", "TRITON_CACHE_DIR", "CUDA_VISIBLE_DEVICES", "CUDA_HOME", "NVIDIA_VISIBLE_DEVICES",
               "KVLAB_RUN_TAG")  # the last: a tag the kit's self-tests give a run, to find the processes it left
 DEFAULT_MEMORY_LIMIT = 4 << 30
+SANDBOX_FOLDER_SIZE = 256 << 20  # bytes: each memory filesystem a sandboxed worker may write (/tmp, /dev/shm, its copy)
+SOURCE = "/kvlab/submission"  # where the sandbox sees the grader's copy of the submission, read-only
+# What the fork server in the sandbox may still do as root: become the unprivileged user, and end its workers
+SANDBOX_CAPABILITIES = ("CAP_SETUID", "CAP_SETGID", "CAP_KILL")
 # The checks' own libraries (pytest and its plugins, the report's), gone from a fork server made from the
 # checks' process (`Forked`)
 CHECKS_SIDE = ("book", "pytest", "_pytest", "pluggy", "py", "iniconfig", "hypothesis", "_hypothesis_pytestplugin",
@@ -86,15 +96,31 @@ def clean_environment(sandbox: bool) -> dict[str, str]:
     return env
 
 
-def bubblewrap_command(writable: list[Path], cuda: bool) -> list[str]:
-    """bwrap's arguments: read-only system and Python folders, a tmpfs /tmp, the `writable` folders."""
+@dataclass(frozen=True)
+class Sandbox:
+    """What `./check.sh grade` shows the worker: the submission's copy (read-only; the worker gets its own
+    writable copy of it in memory) and the checks' fixtures (read-only), besides the system's folders."""
+
+    submission: Path
+    fixtures: Path | None = None
+    cgroup: Cgroup | None = None  # the memory cgroup the sandbox runs in, where the machine gave one
+
+
+def bubblewrap_command(sandbox: Sandbox, cuda: bool) -> list[str]:
+    """bwrap's arguments: read-only system and Python folders, size-limited memory filesystems for /tmp,
+    /dev/shm and the submission's folder, the fixtures read-only."""
     bwrap = shutil.which("bwrap")
     if bwrap is None:
         raise SandboxUnavailable("bubblewrap (bwrap) is not installed: `apt-get install bubblewrap` "
                                  "(Debian/Ubuntu), or grade with --no-sandbox")
     kit = HERE.parents[1]
+    size = str(SANDBOX_FOLDER_SIZE)
     command = [bwrap, "--unshare-ipc", "--unshare-pid", "--unshare-net", "--unshare-uts", "--unshare-cgroup-try",
-               "--die-with-parent", "--new-session", "--tmpfs", "/tmp", "--dev", "/dev", "--proc", "/proc"]
+               "--die-with-parent", "--new-session", "--cap-drop", "ALL"]
+    for capability in SANDBOX_CAPABILITIES:
+        command.extend(["--cap-add", capability])
+    command.extend(["--perms", "1777", "--size", size, "--tmpfs", "/tmp", "--dev", "/dev",
+                    "--perms", "1777", "--size", size, "--tmpfs", "/dev/shm", "--proc", "/proc"])
     made: set[Path] = {Path("/"), Path("/tmp"), Path("/dev"), Path("/proc")}
 
     def parents_of(target: Path) -> None:
@@ -133,9 +159,13 @@ def bubblewrap_command(writable: list[Path], cuda: bool) -> list[str]:
             in_sandbox = not folder.is_relative_to(kit) or folder.is_relative_to(kit / ".venv")
             if hidden.is_dir() and in_sandbox:
                 command.extend(["--tmpfs", str(hidden)])
-    for folder in writable:
-        parents_of(folder)
-        command.extend(["--bind", str(folder), str(folder)])
+    parents_of(Path(SOURCE))
+    command.extend(["--ro-bind", str(sandbox.submission), SOURCE])
+    parents_of(sandbox.submission)
+    command.extend(["--perms", "0755", "--size", size, "--tmpfs", str(sandbox.submission)])
+    if sandbox.fixtures is not None:
+        parents_of(sandbox.fixtures)
+        command.extend(["--ro-bind", str(sandbox.fixtures), str(sandbox.fixtures)])
     command.extend(["--chdir", "/tmp", "--clearenv"])
     for key, value in clean_environment(True).items():
         command.extend(["--setenv", key, value])
@@ -146,9 +176,9 @@ class ForkServer:
     """The process that forks workers. Started once per run, in the background; `spawn` waits for it."""
 
     def __init__(self, *, triton: bool, cuda: bool, memory_limit: int = DEFAULT_MEMORY_LIMIT,
-                 sandbox_writable: list[Path] | None = None, quiet: bool = False):
+                 sandbox: Sandbox | None = None, quiet: bool = False):
         self.triton, self.cuda, self.memory_limit = triton, cuda, memory_limit
-        self.sandbox_writable = sandbox_writable  # None: no sandbox
+        self.sandbox = sandbox  # None: no sandbox
         self.quiet = quiet
         self.process: subprocess.Popen | None = None
         self.control: socket.socket | None = None
@@ -157,12 +187,13 @@ class ForkServer:
 
     @property
     def sandboxed(self) -> bool:
-        return self.sandbox_writable is not None
+        return self.sandbox is not None
 
     def start(self) -> None:
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         options = {"control_fd": theirs.fileno(), "triton": self.triton, "cuda": self.cuda,
-                   "memory_limit": self.memory_limit, "uid": UNPRIVILEGED if self.sandboxed else None}
+                   "memory_limit": self.memory_limit, "uid": UNPRIVILEGED if self.sandboxed else None,
+                   "populate": [SOURCE, str(self.sandbox.submission)] if self.sandboxed else None}
         if self.forks_from_here():
             self.process = Forked.start(theirs, options, self.quiet)
             self.control, self.ready = ours, False
@@ -170,7 +201,9 @@ class ForkServer:
         command = [sys.executable, "-I", "-c", boot_program(), json.dumps(options)]
         env = clean_environment(self.sandboxed)
         if self.sandboxed:
-            command = bubblewrap_command(self.sandbox_writable, self.cuda) + command
+            command = bubblewrap_command(self.sandbox, self.cuda) + command
+            if self.sandbox.cgroup is not None:
+                command = self.sandbox.cgroup.enter_command() + command
         output = subprocess.DEVNULL if self.quiet else None
         self.process = subprocess.Popen(command, pass_fds=[theirs.fileno()], stdin=subprocess.DEVNULL,
                                         stdout=output, stderr=output, env=env, start_new_session=True)
@@ -227,6 +260,11 @@ class ForkServer:
                 reply = self._ask(("spawn",), [theirs.fileno()])
         theirs.close()
         return reply[1], ours
+
+    def oom_kills(self) -> int:
+        """Processes the sandbox's memory cgroup has had killed at its limit (0 without one)."""
+        cgroup = self.sandbox.cgroup if self.sandbox is not None else None
+        return cgroup.oom_kills() if cgroup is not None else 0
 
     def kill(self, pid: int) -> str:
         try:
@@ -386,11 +424,12 @@ class Session:
         callbacks = codec.callbacks  # the check's callables in `message`, served while the call runs
         tree = codec.encode(message)
         deadline = time.monotonic() + seconds
+        kills = self.server.oom_kills()
         try:
             wire.send(self.sock, (tree, codec.storages))
             while True:
-                tree, storages = wire.receive(self.sock, deadline)
-                reply = self.codec_for(self).decode(tree, storages)
+                tree, storages, size = wire.parts(*wire.receive(self.sock, deadline))
+                reply = self.codec_for(self).decode(tree, storages, size, deadline)
                 if type(reply) is not tuple or not reply or type(reply[0]) is not str:
                     raise wire.WireError("a reply that is not a message")
                 if reply[0] == "note":
@@ -405,6 +444,9 @@ class Session:
                           "--time-limit gives it longer)") from None
         except (wire.Closed, ConnectionError, BrokenPipeError):
             how = self.server.how_it_ended(self.pid)
+            if self.server.oom_kills() > kills:
+                how = (f"was stopped at the sandbox's memory limit ({self.server.sandbox.cgroup.limit_text()}: memory "
+                       "in shared memory and in files under /tmp, /dev/shm and the submission's folder counts too)")
             self.end(killed=False)
             raise WorkerGone(f"{what}: the worker process running it {how}") from None
         except (wire.WireError, RecursionError) as error:
