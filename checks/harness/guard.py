@@ -324,6 +324,12 @@ class Guarded:
         torch operation made while they ran, in the worker: `watch.largest`."""
         return TensorWatch(self)
 
+    def fresh_worker(self) -> None:
+        """The next call runs in a new worker process, which has imported the module afresh: nothing the
+        learner's code kept from the calls before (a cache of outputs) is there. Objects made before are gone
+        with the old worker (using one is a one-line failure)."""
+        self.run.session.end()
+
     def start_over(self) -> None:
         """Forget the calls recorded so far: a property test's examples are independent, and only the
         last one's calls (the shrunk failing example) are replayed to name a mistake."""
