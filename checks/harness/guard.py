@@ -371,6 +371,14 @@ class Guarded:
         if reply[0] != "returned" or len(reply) != 9:
             raise LearnerError(f"`{name}`: the worker sent an unexpected reply")
         _, result, changed, states, data, written, refused, _, largest = reply
+        if type(changed) is not str:
+            changed = None
+        seen = self.run.session.written  # the inputs' memory as this process reads it after the call
+        if seen and changed is None:
+            changed = next((path for key, value in arguments if key not in write_keys
+                            for path, t in tensor_paths(value, argument_label(key))
+                            if wire.storage_key(t) in seen and not any(wire.storage_key(t) == wire.storage_key(w)
+                                                                         for w in writes.arguments)), None)
         if watch:
             self.watch.largest = max(self.watch.largest, largest if type(largest) is int else 0)
         if making:
@@ -409,6 +417,31 @@ class TensorWatch:
 
     def __exit__(self, *exc) -> None:
         self.guarded.watch = None
+
+
+def argument_label(key) -> str:
+    return f"argument {key + 1}" if isinstance(key, int) else key
+
+
+def tensor_paths(value, path: str, depth: int = 2):
+    """(where, tensor) for every tensor in a check's argument: itself, the items of its lists, tuples and dicts,
+    and the fields of its records, `depth` levels down."""
+    if isinstance(value, torch.Tensor):
+        yield path, value
+        return
+    if depth < 0:
+        return
+    if type(value) in (list, tuple):
+        items = [(f"{path}[{i}]", v) for i, v in enumerate(value)]
+    elif type(value) is dict:
+        items = [(f"{path}[{k!r}]", v) for k, v in value.items()]
+    elif dataclasses.is_dataclass(value) or hasattr(value, "__dict__") and not callable(value) \
+            and not isinstance(value, Remote):
+        items = [(f"{path}.{k}", v) for k, v in vars(value).items()]
+    else:
+        items = []
+    for where, item in items:
+        yield from tensor_paths(item, where, depth - 1)
 
 
 def snapshot(value):

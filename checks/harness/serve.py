@@ -161,7 +161,14 @@ class Worker:
         wire.send(self.sock, (tree, codec.storages))
 
     def receive(self):
-        tree, storages, size = wire.parts(*wire.receive(self.sock))
+        message, size, fds = wire.receive_with_fds(self.sock)
+        tree, storages, size = wire.parts(message, size)
+        if type(storages) is tuple:  # the call's inputs, in memory the checks read again after the call
+            storages, shared = wire.shared_views(storages, fds)
+            size += shared
+        else:
+            for fd in fds:
+                os.close(fd)
         return WorkerCodec(self).decode(tree, storages, size)
 
     def callback(self, number: int):

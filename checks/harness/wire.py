@@ -12,8 +12,11 @@ library and torch, so the worker runs it as shipped text.
 """
 
 import io
+import mmap
+import os
 import pickle
 import select
+import socket
 import struct
 import time
 from collections import deque, namedtuple
@@ -55,6 +58,7 @@ class Codec:
 
     def __init__(self):
         self.storages: list[bytes] = []
+        self.storage_keys: list[tuple] = []  # what each storage is on this side (`storage_key`)
         self._storage_index: dict = {}
 
     # ---- encoding ----
@@ -87,11 +91,12 @@ class Codec:
     def encode_tensor(self, t: torch.Tensor):
         t = t.detach()
         storage = t.untyped_storage()
-        key = (str(t.device), storage.data_ptr(), storage.nbytes())
+        key = storage_key(t)
         index = self._storage_index.get(key) if storage.nbytes() else None
         if index is None:
             flat = torch.empty(0, dtype=torch.uint8, device=t.device).set_(storage)
             self.storages.append(flat.cpu().numpy().tobytes())
+            self.storage_keys.append(key)
             index = len(self.storages) - 1
             if storage.nbytes():
                 self._storage_index[key] = index
@@ -107,7 +112,7 @@ class Codec:
         values and tensors of `tensor_budget(size)` bytes in all, each storage its own bytes: pickle's memo lets
         a few hundred bytes name a tree of 2**100 nodes or one blob as a thousand storages, and those are
         refused, as is a decode past `deadline`. Any failure is a `WireError`: the other side's fault."""
-        if type(storages) is not list or any(type(b) is not bytes for b in storages):
+        if type(storages) is not list or any(type(b) not in (bytes, memoryview) for b in storages):
             raise WireError("a message whose storages are not bytes")
         if len({id(b) for b in storages}) != len(storages) or sum(map(len, storages)) > size:
             raise WireError("a message whose storages share bytes (more data than the message carried)")
@@ -168,7 +173,12 @@ class Codec:
         storage = self._decoded_storages.get((index, device))
         if storage is None:
             data = self._incoming[index]
-            flat = torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else torch.empty(0, dtype=torch.uint8)
+            if not len(data):
+                flat = torch.empty(0, dtype=torch.uint8)
+            elif type(data) is memoryview:  # shared with the sender (`shared_storages`): it sees any write
+                flat = torch.frombuffer(data, dtype=torch.uint8)
+            else:
+                flat = torch.frombuffer(bytearray(data), dtype=torch.uint8)
             storage = flat.to(device).untyped_storage()
             self._decoded_storages[(index, device)] = storage
         try:
@@ -232,18 +242,99 @@ def unpack(data: bytes):
         raise WireError(f"a message that does not decode ({type(error).__name__})") from None
 
 
-def send(sock, message) -> None:
+def storage_key(t: torch.Tensor) -> tuple:
+    """What a tensor's storage is in this process (two tensors with the same key share their memory)."""
+    storage = t.untyped_storage()
+    return str(t.device), storage.data_ptr(), storage.nbytes()
+
+
+def send(sock, message, fds: tuple = ()) -> None:
     data = pack(message)
-    sock.sendall(struct.pack("<Q", len(data)) + data)
+    header = struct.pack("<Q", len(data))
+    if fds:  # the descriptors travel with the header's bytes
+        sent = socket.send_fds(sock, [header], list(fds))
+        header = header[sent:]
+    sock.sendall(header + data)
 
 
 def receive(sock, deadline: float | None = None):
     """The next message and its size in bytes; `Timeout` once `deadline` (time.monotonic()) passes, `Closed`
     on end of file."""
-    (size,) = struct.unpack("<Q", _read(sock, 8, deadline))
+    message, size, _ = receive_with_fds(sock, deadline, 0)
+    return message, size
+
+
+def receive_with_fds(sock, deadline: float | None = None, most: int = 1):
+    """The next message, its size and the descriptors (at most `most`) sent with it."""
+    header, fds = b"", []
+    while len(header) < 8:
+        _wait(sock, deadline)
+        if most:
+            chunk, got, _, _ = socket.recv_fds(sock, 8 - len(header), most)
+            fds.extend(got)
+        else:
+            chunk = sock.recv(8 - len(header))
+        if not chunk:
+            raise Closed
+        header += chunk
+    (size,) = struct.unpack("<Q", header)
     if size > MAX_MESSAGE:
         raise WireError(f"a message of {size} bytes (at most {MAX_MESSAGE})")
-    return unpack(_read(sock, size, deadline)), size
+    return unpack(_read(sock, size, deadline)), size, fds
+
+
+# ---- inputs in shared memory: a write to them is seen by the sender -------------------------------
+
+
+class SharedStorages:
+    """The storages of a message in one memory file that both sides map: the receiver's tensors are views of
+    it, and the sender, which keeps its own copy of the bytes, finds afterwards which storages were written
+    (from its side of the file, whatever the receiver says)."""
+
+    def __init__(self, storages: list[bytes]):
+        self.storages = storages
+        self.fd = os.memfd_create("kvlab-inputs", os.MFD_CLOEXEC)
+        os.write(self.fd, b"".join(storages)) if storages else None
+
+    def layout(self) -> tuple:
+        return ("M", [len(b) for b in self.storages])
+
+    def written(self) -> list[int]:
+        """The storages whose bytes are no longer those sent."""
+        found, offset = [], 0
+        for index, data in enumerate(self.storages):
+            if data and os.pread(self.fd, len(data), offset) != data:
+                found.append(index)
+            offset += len(data)
+        return found
+
+    def close(self) -> None:
+        os.close(self.fd)
+
+
+def shared_views(layout, fds: list[int]) -> tuple[list[memoryview], int]:
+    """The receiver's side of `SharedStorages`: a view of each storage (writable, mapped from the file) and
+    their total size."""
+    if type(layout) is not tuple or len(layout) != 2 or layout[0] != "M" or len(fds) != 1:
+        raise WireError("shared storages without their memory")
+    lengths = _ints(layout[1])
+    total = sum(lengths)
+    if any(n < 0 for n in lengths) or os.fstat(fds[0]).st_size != total:
+        raise WireError("shared storages that do not fit their memory")
+    memory = mmap.mmap(fds[0], total) if total else b""
+    os.close(fds[0])
+    whole, views, offset = memoryview(memory), [], 0
+    for n in lengths:
+        views.append(whole[offset:offset + n] if total else memoryview(b""))
+        offset += n
+    return views, total
+
+
+def _wait(sock, deadline: float | None) -> None:
+    if deadline is not None:
+        wait = deadline - time.monotonic()
+        if wait <= 0 or not select.select([sock], [], [], wait)[0]:
+            raise Timeout
 
 
 def parts(message, size: int) -> tuple:
@@ -256,10 +347,7 @@ def parts(message, size: int) -> tuple:
 def _read(sock, size: int, deadline: float | None) -> bytes:
     chunks, left = [], size
     while left:
-        if deadline is not None:
-            wait = deadline - time.monotonic()
-            if wait <= 0 or not select.select([sock], [], [], wait)[0]:
-                raise Timeout
+        _wait(sock, deadline)
         chunk = sock.recv(min(left, 1 << 20))
         if not chunk:
             raise Closed

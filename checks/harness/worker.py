@@ -399,6 +399,7 @@ class Session:
         self.generation = 0
         self.loaded = None  # ("loaded", names) or ("load-error", reason) of the current worker
         self.notes: list[tuple] = []  # what the worker noted while calls ran (collectives), oldest first
+        self.written: list[tuple] = []  # storage keys (`wire.storage_key`) of the last call's inputs it wrote
 
     def ensure(self):
         """A live worker with the module imported; returns the load reply."""
@@ -425,8 +426,15 @@ class Session:
         tree = codec.encode(message)
         deadline = time.monotonic() + seconds
         kills = self.server.oom_kills()
+        # A call's inputs cross in shared memory: what the call wrote into them is read here, after it, from this
+        # side (a worker can disable any check of its own, or forge its reply, but not this)
+        shared = wire.SharedStorages(codec.storages) if message[0] in ("call", "method") and codec.storages else None
+        self.written = []
         try:
-            wire.send(self.sock, (tree, codec.storages))
+            if shared is None:
+                wire.send(self.sock, (tree, codec.storages))
+            else:
+                wire.send(self.sock, (tree, shared.layout()), fds=[shared.fd])
             while True:
                 tree, storages, size = wire.parts(*wire.receive(self.sock, deadline))
                 reply = self.codec_for(self).decode(tree, storages, size, deadline)
@@ -436,6 +444,8 @@ class Session:
                     self.notes.append(reply[1:])
                     continue
                 if reply[0] != "callback":
+                    if shared is not None:
+                        self.written = [codec.storage_keys[i] for i in shared.written()]
                     return reply
                 wire.send(self.sock, self._serve_callback(reply, callbacks))
         except wire.Timeout:
@@ -452,6 +462,9 @@ class Session:
         except (wire.WireError, RecursionError) as error:
             self.end()
             raise WorkerGone(f"{what}: the worker sent something that is not a reply ({error})") from None
+        finally:
+            if shared is not None:
+                shared.close()
 
     def _serve_callback(self, reply, callbacks):
         codec = self.codec_for(self)
