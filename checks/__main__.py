@@ -220,6 +220,10 @@ def print_hints(selected, level: int, lang: str) -> int:
     return 0
 
 
+NOT_SANDBOXED = ("./check.sh: {} runs as you, with your files and your network, as your own code in mine/ does: "
+                 "fine for your own folder. To check someone else's code, use ./check.sh grade FOLDER (sandboxed).")
+
+
 def run(selected, args, impls: list[str] | None = None, extra: list[str] = (), remember_results: bool = True,
         reporter=None) -> int:
     """Run the checks of `selected` in this process (the report is a pytest plugin); learner code runs
@@ -229,7 +233,9 @@ def run(selected, args, impls: list[str] | None = None, extra: list[str] = (), r
     impls = impls or args.impl or ["mine"]
     for label in impls:  # a folder that is not there is said before torch loads
         try:
-            named(label)
+            impl = named(label)
+            if impl.kind == "learner" and not impl.folder.is_relative_to(ROOT / "mine") and "--shown" not in extra:
+                print(NOT_SANDBOXED.format(impl.shown_folder()), file=sys.stderr)
         except LoadError as error:
             from checks.conftest import GROUPS  # the catalogue's groups (this imports torch)
 

@@ -11,16 +11,19 @@ submission's copy.
 import hashlib
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
 import textwrap
 import time
+import xml.etree.ElementTree as ET
 from pathlib import Path
 
 import pytest
 
 from checks.grading import sandbox_problem
+from checks.harness.limits import own_memory_cgroup
 from checks.harness.loader import ROOT
 
 CORRECT = (ROOT / "solutions" / "m01_rmsnorm.py").read_text()
@@ -45,6 +48,20 @@ def both(statement: str) -> str:
             f"def add_rms_norm(x, residual, weight, eps):\n{lines}\n"
             "    return torch.zeros_like(x), torch.zeros_like(x)\n")
 
+
+FORGE = """
+import pickle, struct
+
+
+def forge(message):
+    \"\"\"Write `message`, framed as the worker's replies are, to every descriptor the worker may hold.\"\"\"
+    data = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
+    for fd in range(3, 64):
+        try:
+            os.write(fd, struct.pack("<Q", len(data)) + data)
+        except OSError:
+            pass
+"""
 
 # name -> (the file, text its reasons must contain)
 IN_THE_WORKER = {
@@ -171,6 +188,45 @@ def add_rms_norm(*args):
                 except OSError:
                     pass
     """, both("forge()")), ""),
+    "disables-the-in-place-detector-then-writes-its-input": (attack("""
+        def blind():  # the worker's own before/after comparison of the inputs now finds nothing
+            for name, module in list(sys.modules.items()):
+                if hasattr(module, "changed_input"):
+                    module.changed_input = lambda *args, **kwargs: None
+    """, """
+def rms_norm(x, weight, eps):
+    blind()
+    out = (x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype) * weight
+    x.mul_(0.5)
+    return out
+
+
+def add_rms_norm(x, residual, weight, eps):
+    blind()
+    total = x + residual
+    residual.zero_()
+    return rms_norm(total.clone(), weight, eps), total
+"""), "changed its input"),
+    "forges-a-reply-that-never-ends-decoding": (FORGE + attack("", both("""
+        node = ("T", [])
+        for _ in range(120):  # 2**120 nodes in a few kilobytes: pickle's memo shares each level twice
+            node = ("T", [node, node])
+        forge((("T", ["returned", node, None, ("D", []), ("D", []), ("D", []), None, ("L", []), 0]), []))
+    """)), "not a reply"),
+    "forges-one-blob-as-many-storages": (FORGE + attack("", both("""
+        blob = bytes(32 << 20)
+        tensors = [("X", i, "uint8", [32 << 20], [1], 0, "cpu") for i in range(200)]  # 6.4 GB if each were its own
+        forge((("T", ["returned", ("L", tensors), None, ("D", []), ("D", []), ("D", []), None, ("L", []), 0]),
+               [blob] * 200))
+    """)), "not a reply"),
+    "forges-a-dict-keyed-by-a-list": (FORGE + attack("", both("""
+        forge((("T", ["returned", ("D", [(("L", []), 1)]), None, ("D", []), ("D", []), ("D", []), None,
+                      ("L", []), 0]), []))
+    """)), "not a reply"),
+    "forges-a-message-that-is-not-a-pair": (FORGE + attack("", both("forge(12345)")), "not a reply"),
+    "forges-a-reason-that-rewrites-the-terminal": (FORGE + attack("", both("""
+        forge((("T", ["raised", "\\x1b[2J\\x1b[H\\x1b[32m all checks pass \\x1b[0m\\x07\\x00\\u202e" + "A" * (4 << 20)]), []))
+    """)), "all checks pass"),
 }
 
 
@@ -193,7 +249,8 @@ def one_line_failures(rows: list[dict], expect: str) -> None:
     assert all(r["status"] == "failed" for r in value_checks), {(r["check"], r["status"], r["reason"]) for r in
                                                               value_checks if r["status"] != "failed"}
     for r in rows:
-        assert "\n" not in r["reason"] and len(r["reason"]) < 400 and "Traceback" not in r["reason"], r["reason"]
+        assert "\n" not in r["reason"] and len(r["reason"]) < 400 and "Traceback" not in r["reason"], r["reason"][:400]
+        assert r["reason"].isprintable(), r["reason"][:400]  # no escape sequence, control or format character
     assert any(expect in r["reason"] for r in value_checks), [r["reason"] for r in value_checks][:4]
 
 
@@ -224,7 +281,9 @@ def test_an_attack_from_the_worker_fails(worker_attacks, name):
 
 def test_the_run_goes_on_and_leaves_nothing_running(worker_attacks):
     _, _, out, results, seconds, marker, tag = worker_attacks
-    assert "Traceback" not in out
+    assert "Traceback" not in out and "\x1b[2J" not in out and "\u202e" not in out
+    assert "runs as you" in out and "check.sh grade" in out  # --impl DIR outside mine/: use grade for others' code
+    assert not any(r["status"] == "kit error" for r in results["results"])
     assert not marker.exists(), marker.read_text()
     assert len({r["impl"] for r in results["results"]}) == len(IN_THE_WORKER)
     assert not worker_processes(tag), f"worker processes left running: {worker_processes(tag)}"
@@ -248,6 +307,13 @@ def worker_processes(tag: str | None = None) -> list[int]:
         except OSError:
             continue
     return found
+
+
+def _cmdline(pid: int) -> bytes:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return b""
 
 
 def run_tag() -> dict[str, str]:
@@ -391,11 +457,165 @@ def test_grading_from_inside_a_folder_that_ships_its_own_checks(tmp_path):
 
 
 @needs_sandbox
-def test_an_honest_submission_scores_everything(tmp_path):
-    code, out, scored, submission = grade(tmp_path, CORRECT)
-    assert code == 0, out[-2000:]
+def test_an_honest_submission_scores_everything_under_an_inherited_hard_limit(tmp_path):
+    """Started under `ulimit -v` (soft and hard), the grader's workers take the lower of the inherited hard limit
+    and their own: the sandbox can no longer raise a limit, and the worker must not try to."""
+    submission = write_attack(tmp_path / "submission", CORRECT)
+    results = tmp_path / "results.json"
+    done = subprocess.run(["bash", "-c", f'ulimit -v {12 << 20} && exec "$@"', "bash", str(ROOT / "check.sh"), "grade",
+                           str(submission), "m01", "--gradescope", str(results), "--memory-limit", "64"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "KVLAB_PYTHON": sys.executable, "COLUMNS": "140"})
+    out = done.stdout + done.stderr
+    scored = json.loads(results.read_text())
+    assert done.returncode == 0, out[-2000:]
     assert scored["score"] == 20 and all(t["status"] == "passed" for t in scored["tests"])
     assert "score: 20 / 20" in out
+
+
+PROBE = attack("""
+    import tempfile
+    FOUND = []
+
+
+    def writable_mib(folder, most=1024):
+        \"\"\"MiB this worker can write into `folder`, in 64 MiB files, up to `most`.\"\"\"
+        written, chunk = 0, b"\\0" * (64 << 20)
+        try:
+            while written < most:
+                with open(os.path.join(folder, f"fill-{written}"), "wb") as f:
+                    f.write(chunk)
+                written += 64
+        except OSError:
+            pass
+        for name in os.listdir(folder):
+            if name.startswith("fill-"):
+                os.remove(os.path.join(folder, name))
+        return written
+
+
+    def probe():
+        if not FOUND:
+            with open(f"/proc/{os.getppid()}/status") as status:
+                caps = next(line.split()[1] for line in status if line.startswith("CapEff"))
+            temporary = [tempfile.mkstemp(dir=d)[1] for d in ("/tmp", "/dev/shm")]
+            mine = os.path.dirname(os.path.abspath(__file__))
+            sizes = {name: writable_mib(d) for name, d in (("tmp", "/tmp"), ("shm", "/dev/shm"), ("own", mine))}
+            FOUND.append(f"probe caps={caps} temporary={len(temporary)} " + " ".join(f"{k}={v}" for k, v in sizes.items()))
+        raise RuntimeError(FOUND[0])
+""", both("probe()"))
+
+
+@needs_sandbox
+def test_the_sandbox_gives_private_size_limited_memory_folders_and_few_capabilities(tmp_path):
+    code, out, scored, _ = grade(tmp_path, PROBE, "-k", "toy")
+    assert_graded_as_failed(code, out, scored)
+    line = next(line for t in scored["tests"] for line in t["output"].splitlines() if "probe caps=" in line)
+    found = dict(re.findall(r"\b(caps|temporary|tmp|shm|own)=(\w+)", line))
+    assert int(found["caps"], 16) == (1 << 5) | (1 << 6) | (1 << 7), line  # CAP_KILL, CAP_SETGID, CAP_SETUID only
+    assert found["temporary"] == "2", line  # a temporary file in /tmp and in /dev/shm
+    for place in ("tmp", "shm", "own"):  # writable, and no more than the memory filesystem's size
+        assert 0 < int(found[place]) <= 256, line
+
+
+@needs_sandbox
+def test_reasons_are_cut_and_cleaned_in_every_output(tmp_path):
+    """A reason of 4 MB with terminal escapes, control characters and a direction override: the report, the
+    Gradescope file and the JUnit XML show a short clean line (the XML parses)."""
+    text = FORGE + attack("", both("""
+        forge((("T", ["raised", "\\x1b[2J\\x1b]0;owned\\x07\\x1b[32m✓ all pass\\x1b[0m\\x00\\x0b\\u202e" + "A" * (4 << 20)]), []))
+    """))
+    junit = tmp_path / "report.xml"
+    started = time.monotonic()
+    code, out, scored, _ = grade(tmp_path, text, "--junit", str(junit), "-k", "toy")
+    assert time.monotonic() - started < 120
+    assert_graded_as_failed(code, out, scored)
+    assert "\x1b" not in out and "\u202e" not in out and "\x00" not in out
+    assert (tmp_path / "results.json").stat().st_size < 50_000 and junit.stat().st_size < 50_000
+    ET.parse(junit)
+    for test in scored["tests"]:
+        assert test["output"].replace("\n", "").isprintable(), test["output"][:300]
+    assert any("all pass" in test["output"] for test in scored["tests"])
+
+
+@needs_sandbox
+def test_memory_the_worker_never_maps_counts_against_the_limit(tmp_path):
+    """A memfd filled with 3 GiB is never mapped: an address-space limit and a resident-memory watch miss it. In a
+    memory cgroup it counts, and the worker is stopped at the limit; where none can be made, every output says so."""
+    text = attack("""
+        def hog():
+            marker = "/tmp/hogged"
+            if os.path.exists(marker):
+                return
+            open(marker, "w").close()
+            chunk, held = b"\\1" * (64 << 20), []
+            for _ in range(24):  # 128 MiB each: a file's size is limited (RLIMIT_FSIZE), the number of files not
+                held.append(os.memfd_create("hog"))
+                os.write(held[-1], chunk)
+                os.write(held[-1], chunk)
+            raise RuntimeError("held 3 GiB in memfds")
+    """, both("hog()"))
+    code, out, scored, _ = grade(tmp_path, text, "--memory-limit", "1", "-k", "toy")
+    assert_graded_as_failed(code, out, scored)
+    reasons = " ".join(t["output"] for t in scored["tests"])
+    if "no memory cgroup here" in scored["output"]:
+        assert "no memory cgroup here" in out
+    else:
+        assert "memory limit" in reasons and "held 3 GiB" not in reasons, reasons[:1000]
+    assert "held 3 GiB" not in reasons or "no memory cgroup here" in out
+
+
+@needs_sandbox
+def test_a_checkpoint_never_lands_where_the_submission_points(tmp_path):
+    """The checks write m04's checkpoint with the grader's rights: into their own private folder, never into a path
+    inside the submission, which could be a link to the kit."""
+    submission = tmp_path / "submission"
+    submission.mkdir()
+    (submission / "m04_qwen3_model.py").write_text((ROOT / "solutions" / "m04_qwen3_model.py").read_text())
+    for name in ("m01_rmsnorm", "m02_thinker_attention", "m03_rope"):
+        (submission / f"{name}.py").write_text((ROOT / "solutions" / f"{name}.py").read_text())
+    (submission / ".kvlab-checkpoint").symlink_to(ROOT / "checks")
+    (submission / "checkpoint").symlink_to(ROOT)
+    before = kit_fingerprint()
+    results = tmp_path / "results.json"
+    code, out = check_sh("grade", str(submission), "m04", "--gradescope", str(results), "-k", "checkpoint")
+    assert kit_fingerprint() == before, "the grader wrote into the kit"
+    assert code == 0 and json.loads(results.read_text())["score"] > 0, out[-2000:]
+
+
+@needs_sandbox
+def test_a_killed_grader_leaves_no_copy_behind(tmp_path):
+    """SIGKILL gives the grader no chance to clean up: its copy of the submission and its cgroup go all the same."""
+    submission = write_attack(tmp_path / "submission", attack("", both("while True: pass")))
+    private = tmp_path / "tmp"
+    private.mkdir()
+    tag = run_tag()
+    grader = subprocess.Popen([str(ROOT / "check.sh"), "grade", str(submission), "m01", "--time-limit", "60"], cwd=ROOT,
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                              env={**os.environ, "KVLAB_PYTHON": sys.executable, "TMPDIR": str(private), **tag})
+    def sandboxed() -> list[int]:  # the fork server in the sandbox and its workers (a fresh `python -I -c ...`)
+        return [pid for pid in worker_processes(tag["KVLAB_RUN_TAG"]) if b"kvlab_worker" in _cmdline(pid)]
+
+    deadline = time.monotonic() + 120
+    while len(sandboxed()) < 2 and time.monotonic() < deadline:
+        time.sleep(0.2)
+    copies = list(private.glob("kvlab-grade-*"))
+    assert copies and len(sandboxed()) >= 2, "the grade never started its workers"
+    grader.kill()
+    grader.wait()
+    deadline = time.monotonic() + 10
+    while list(private.glob("kvlab-grade-*")) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not list(private.glob("kvlab-grade-*")), "the copy was left behind"
+    assert not sandboxed(), "the sandbox outlived the grader"
+    try:
+        parent, _ = own_memory_cgroup()
+    except OSError:
+        return
+    deadline = time.monotonic() + 10
+    while (parent / copies[0].name).exists() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not (parent / copies[0].name).exists(), "the cgroup was left behind"
 
 
 def test_grade_refuses_without_a_sandbox_unless_told(tmp_path):
