@@ -6,21 +6,29 @@ workers from the same fork server (inside the same limits and sandbox as every o
 a gloo process group as its rank before it imports the module, and `ranks.call(name, args_per_rank)`
 calls the function on every rank at once and returns the results in rank order.
 
-Every collective a rank makes is counted (the worker notes each one as it enters and leaves):
-`ranks.collectives[r]` lists rank r's in the last call. A rank that raises ends every rank, and the
+The ranks never meet directly: each collective a rank makes comes here (its part of the data), waits until
+every rank has made its own, and goes back with its share of the result (`Rendezvous`). So every collective
+is counted in this process, where the learner's code cannot reach: `ranks.collectives[r]` lists rank r's in
+the last call. A rank that raises ends every rank, and the
 check gets one line naming it; when the ranks overrun the time limit, the line names the rank that was
 still running its own code while the others waited in a collective (or, if all wait, where each waits).
 A call on every rank is recorded for the mistakes' replays as one `RankCall`, which `mistakes.py` plays
 with threads standing in for the ranks (`simdist.py`).
 """
 
+import functools
 import socket
+import threading
+import time
 from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 
+import torch
+
+from . import wire
 from .guard import Call, Guarded, LearnerError, ModuleRun, NotStarted, _hung
 
-JOIN_TIMEOUT = 60.0  # seconds a rank's collectives may wait for the others before gloo gives up
+JOIN_TIMEOUT = 60.0  # seconds a real process group (NCCL) may wait for the ranks to join
 GRACE = 1.0  # seconds the other ranks get to finish after one fails, before they are ended
 
 
@@ -54,6 +62,9 @@ class Ranks:
                      for rank in range(world_size)]
         self.guards = [Guarded(run, base.stem, guarded.contracts, base.time_limit) for run in self.runs]
         self.collectives: list[list[str]] = [[] for _ in range(world_size)]
+        self.rendezvous = Rendezvous(world_size)
+        for rank, run in enumerate(self.runs):
+            run.session.on_collective = functools.partial(self._meet, rank)
         self.broken: str | None = None
         self.started = False
         self.pool = ThreadPoolExecutor(max_workers=world_size)
@@ -96,6 +107,9 @@ class Ranks:
         self.start()
         return getattr(self.guards[rank], class_name)(*args)
 
+    def _meet(self, rank: int, name: str, part, deadline: float):
+        return self.rendezvous.meet(rank, name, part, deadline)
+
     # ---- running on every rank ----
 
     def _on_every_rank(self, jobs: list, what: str, name: str | None = None) -> list:
@@ -103,10 +117,13 @@ class Ranks:
             raise LearnerError(f"not run: {self.broken}")
         for run in self.runs:
             run.session.notes.clear()
+        self.rendezvous = Rendezvous(self.world_size)
         futures = [self.pool.submit(job) for job in jobs]
         done, pending = wait(futures, return_when=FIRST_EXCEPTION)
         if pending:  # a rank failed: the others may be about to fail too, or be waiting for it in a collective
             done, pending = wait(futures, timeout=GRACE)
+            if pending:
+                self.rendezvous.abort()
         first_failed = next((f for f in futures if f.done() and f.exception() is not None), None)
         stopped = set()  # the ranks ended here because another one failed
         if first_failed is not None and pending and "did not return within" not in str(first_failed.exception()):
@@ -182,6 +199,88 @@ class Ranks:
             else:
                 open_one = None
         return open_one
+
+
+class Rendezvous:
+    """Where the ranks' collectives meet: the k-th collective of every rank, combined once all have come."""
+
+    def __init__(self, world_size: int):
+        self.world_size = world_size
+        self.changed = threading.Condition()
+        self.made = [0] * world_size  # collectives each rank has entered
+        self.parts: dict[int, dict[int, tuple]] = {}  # k -> rank -> (name, part)
+        self.answers: dict[int, list] = {}  # k -> each rank's answer
+        self.aborted = False
+
+    def meet(self, rank: int, name: str, part, deadline: float):
+        with self.changed:
+            k = self.made[rank]
+            self.made[rank] += 1
+            self.parts.setdefault(k, {})[rank] = (name, part)
+            if len(self.parts[k]) == self.world_size:
+                self.answers[k] = combine([self.parts[k][r] for r in range(self.world_size)])
+                self.changed.notify_all()
+            while k not in self.answers:
+                if self.aborted:
+                    raise wire.Closed  # another rank failed: this one is ended with it
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise wire.Timeout
+                self.changed.wait(left)
+            return self.answers[k][rank]
+
+    def abort(self) -> None:
+        with self.changed:
+            self.aborted = True
+            self.changed.notify_all()
+
+
+REDUCE = {"sum": lambda t: t.sum(0), "product": lambda t: t.prod(0), "min": lambda t: t.amin(0),
+          "max": lambda t: t.amax(0)}
+
+
+def combine(entered: list[tuple]) -> list[tuple]:
+    """Each rank's answer to one collective, from every rank's (name, part): ("collective-result", share) or,
+    when the ranks' parts do not fit together, ("collective-error", why) for all."""
+    world = len(entered)
+    names = [name for name, _ in entered]
+    if len(set(names)) != 1:
+        made = ", ".join(f"rank {r} {n}" for r, n in enumerate(names))
+        return [("collective-error", f"the ranks made different collectives at once ({made}): every rank must make "
+                                     "the same collectives in the same order")] * world
+    name = names[0]
+    try:
+        parts = [dict(part) for _, part in entered]
+        if name == "barrier":
+            return [("collective-result", None)] * world
+        tensors = [p["tensor"] for p in parts]
+        if not all(isinstance(t, torch.Tensor) for t in tensors):
+            raise ValueError("a rank gave no tensor")
+        if name in ("all_reduce", "reduce", "all_gather_into_tensor", "all_gather"):
+            shapes = {(tuple(t.shape), t.dtype) for t in tensors}
+            if len(shapes) != 1:
+                raise ValueError(f"the ranks' tensors differ ({', '.join(f'{list(s)} {d}' for s, d in shapes)})")
+        for key in ("src", "dst"):
+            values = {p.get(key) for p in parts}
+            if len(values) > 1 or (values != {None} and not 0 <= next(iter(values)) < world):
+                raise ValueError(f"the ranks gave {key} {sorted(map(str, values))}")
+        if name in ("all_reduce", "reduce"):
+            op = parts[0]["op"]
+            if op not in REDUCE or any(p["op"] != op for p in parts):
+                raise ValueError(f"the reduce op {op} (the checks carry sum, product, min and max)")
+            reduced = REDUCE[op](torch.stack(tensors)).to(tensors[0].dtype)
+            if name == "reduce":
+                return [("collective-result", reduced if r == parts[0]["dst"] else None) for r in range(world)]
+            return [("collective-result", reduced)] * world
+        if name == "broadcast":
+            return [("collective-result", tensors[parts[0]["src"]])] * world
+        if name in ("all_gather", "all_gather_into_tensor"):
+            return [("collective-result", tensors)] * world
+        if name == "gather":
+            return [("collective-result", tensors if r == parts[0]["dst"] else None) for r in range(world)]
+        raise ValueError("the checks do not carry it")
+    except Exception as error:  # noqa: BLE001 - what the ranks sent is theirs: each gets the reason
+        return [("collective-error", f"torch.distributed.{name}: {error}")] * world
 
 
 def ranks(guarded: Guarded, world_size: int) -> Ranks:

@@ -200,29 +200,48 @@ class Worker:
 
     # ---- requests ----
     def do_distributed(self, backend: str, init_method: str, rank: int, world_size: int, timeout: float) -> None:
-        """Join a process group as `rank` (before the learner's module is imported), with every collective
-        of `torch.distributed` counted: each call notes its name as it enters and as it returns."""
+        """Join `world_size` ranks as `rank` (before the learner's module is imported).
+
+        With gloo (the CPU) the ranks never meet directly: the process group is torch's fake one, whose own
+        collectives move no data, and `torch.distributed`'s collectives are replaced by ones the checks' process
+        carries (each rank sends its part and waits for the result), so every collective is counted where the
+        learner's code cannot reach and nothing bypasses the count and still works. Other backends (NCCL)
+        join for real, with each collective noted by a wrapper here."""
         import datetime
 
         import torch.distributed as dist
         import torch.distributed.distributed_c10d as c10d
 
         os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # the sandbox has a loopback device only
+        carried = backend == "gloo"
         for name in COLLECTIVES:
             original = getattr(dist, name, None)
             if original is not None:
-                counted = _counted(self, name, original)
-                setattr(dist, name, counted)
+                replaced = _carried(self, name, original) if carried else _counted(self, name, original)
+                setattr(dist, name, replaced)
                 if getattr(c10d, name, None) is original:
-                    setattr(c10d, name, counted)
+                    setattr(c10d, name, replaced)
         try:
-            dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world_size,
-                                    timeout=datetime.timedelta(seconds=timeout))
+            if carried:
+                from torch.testing._internal.distributed.fake_pg import FakeStore
+
+                dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
+            else:
+                dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world_size,
+                                        timeout=datetime.timedelta(seconds=timeout))
         except Exception as error:  # noqa: BLE001 - the checks say it in one line
             self.reply("raised", f"rank {rank} could not join the process group ({type(error).__name__}: "
                                  f"{first_line(error)})")
             return
         self.reply("value", None, None)
+
+    def collective(self, name: str, part: dict):
+        """Hand this rank's part of a collective to the checks' process and wait for its share of the result."""
+        self.reply("collective", name, part)
+        answer = self.receive()
+        if answer[0] != "collective-result":
+            raise RuntimeError(answer[1])
+        return answer[1]
 
     def do_load(self, folder: str, shown: str, patch, label: str, stem: str) -> None:
         self.package, self.stem = Package(folder, shown, tuple(patch) if patch else None, label), stem
@@ -313,6 +332,64 @@ class Worker:
 COLLECTIVES = ("all_reduce", "gather", "all_gather", "all_gather_into_tensor", "broadcast", "reduce", "scatter",
                "reduce_scatter", "reduce_scatter_tensor", "all_to_all", "all_to_all_single", "barrier", "send",
                "recv", "isend", "irecv", "batch_isend_irecv", "all_gather_object", "broadcast_object_list")
+
+
+CARRIED = ("all_reduce", "reduce", "broadcast", "all_gather", "all_gather_into_tensor", "gather", "barrier")
+
+
+def _carried(worker: Worker, name: str, original):
+    """`torch.distributed.<name>` as the checks' process carries it between the ranks (see `do_distributed`)."""
+    import inspect
+
+    import torch.distributed as dist
+
+    signature = inspect.signature(original)
+    ops = {dist.ReduceOp.SUM: "sum", dist.ReduceOp.PRODUCT: "product", dist.ReduceOp.MIN: "min",
+           dist.ReduceOp.MAX: "max"}
+
+    def collective(*args, **kwargs):
+        if name not in CARRIED:
+            raise RuntimeError(f"torch.distributed.{name} is not carried between the checks' ranks (they carry "
+                               f"{', '.join(CARRIED)})")
+        given = signature.bind(*args, **kwargs)
+        given.apply_defaults()
+        a = given.arguments
+        if a.get("group") not in (None, dist.group.WORLD):
+            raise RuntimeError(f"torch.distributed.{name}: the checks' ranks have the world group only")
+        part = {"op": ops.get(a.get("op", dist.ReduceOp.SUM), "unsupported")}
+        for key in ("src", "dst", "group_src", "group_dst"):
+            if a.get(key) is not None:
+                part[key.removeprefix("group_")] = int(a[key])
+        tensor = a.get("tensor", a.get("input_tensor"))
+        if isinstance(tensor, torch.Tensor):
+            part["tensor"] = tensor.detach()
+        result = worker.collective(name, part)
+        with torch.no_grad():
+            if name in ("all_reduce", "broadcast") or (name == "reduce" and result is not None):
+                tensor.copy_(result)
+            elif name == "all_gather":
+                for out, got in zip(a["tensor_list"], result):
+                    out.copy_(got)
+            elif name == "all_gather_into_tensor":
+                a["output_tensor"].copy_(torch.cat(result).reshape(a["output_tensor"].shape))
+            elif name == "gather" and a.get("gather_list") is not None and result is not None:
+                for out, got in zip(a["gather_list"], result):
+                    out.copy_(got)
+        return _Done() if a.get("async_op") else None
+
+    collective.__name__ = collective.__qualname__ = name
+    collective.__doc__ = original.__doc__
+    return collective
+
+
+class _Done:
+    """The work handle of a collective that has already completed (`async_op=True`)."""
+
+    def wait(self, timeout=None) -> bool:
+        return True
+
+    def is_completed(self) -> bool:
+        return True
 
 
 def _counted(worker: Worker, name: str, original):

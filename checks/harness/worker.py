@@ -400,6 +400,8 @@ class Session:
         self.loaded = None  # ("loaded", names) or ("load-error", reason) of the current worker
         self.notes: list[tuple] = []  # what the worker noted while calls ran (collectives), oldest first
         self.written: list[tuple] = []  # storage keys (`wire.storage_key`) of the last call's inputs it wrote
+        # (name, part, deadline) -> the answer to a collective the worker entered (set for ranks: ranks.py)
+        self.on_collective = None
 
     def ensure(self):
         """A live worker with the module imported; returns the load reply."""
@@ -441,7 +443,16 @@ class Session:
                 if type(reply) is not tuple or not reply or type(reply[0]) is not str:
                     raise wire.WireError("a reply that is not a message")
                 if reply[0] == "note":
-                    self.notes.append(reply[1:])
+                    if self.on_collective is None:  # where this process carries the collectives, it counts them
+                        self.notes.append(reply[1:])
+                    continue
+                if reply[0] == "collective" and len(reply) == 3 and type(reply[1]) is str:
+                    self.notes.append(("collective", reply[1], "enter"))
+                    answer = self.on_collective(reply[1], reply[2], deadline) if self.on_collective else \
+                        ("collective-error", "no other rank to meet: this worker is not one of several ranks")
+                    codec = self.codec_for(self)
+                    wire.send(self.sock, (codec.encode(answer), codec.storages))
+                    self.notes.append(("collective", reply[1], "done"))
                     continue
                 if reply[0] != "callback":
                     if shared is not None:

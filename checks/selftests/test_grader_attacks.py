@@ -321,6 +321,56 @@ def run_tag() -> dict[str, str]:
     return {"KVLAB_RUN_TAG": f"selftest-{os.getpid()}-{time.monotonic_ns()}"}
 
 
+def test_values_a_check_cannot_read_fail_the_submission_not_the_kit(tmp_path):
+    """A `KVCache` whose `.k` and `.v` hold Python lists, not tensors: the checks that read them say so as the
+    submission's failure; none reports a kit error."""
+    source = (ROOT / "solutions" / "m02_thinker_attention.py").read_text()
+    source = source.replace("        self.k.append(k)\n        self.v.append(v)\n",
+                            "        self._k.append(k)\n        self._v.append(v)\n"
+                            "        self.k.append(k.tolist())\n        self.v.append(v.tolist())\n")
+    source = source.replace("torch.cat(cache.k), torch.cat(cache.v)", "torch.cat(cache._k), torch.cat(cache._v)")
+    source = source.replace("        self.v: list[torch.Tensor] = []\n",
+                            "        self.v: list[torch.Tensor] = []\n        self._k, self._v = [], []\n")
+    source = source.replace("return sum(chunk.shape[0] for chunk in self.k)", "return sum(len(chunk) for chunk in self.k)")
+    folder = tmp_path / "lists"
+    folder.mkdir()
+    (folder / "m02_thinker_attention.py").write_text(source)
+    report = tmp_path / "results.json"
+    code, out = check_sh("m02", "--impl", str(folder), "--json", str(report), "-k", "cache or chunk or decode")
+    rows = json.loads(report.read_text())["results"]
+    assert code == 1 and rows and not [r["reason"] for r in rows if r["status"] == "kit error"], out[-3000:]
+    assert any(r["status"] == "failed" and "could not use" in r["reason"] for r in rows), [r["reason"] for r in rows]
+
+
+def test_a_collective_hidden_from_the_count_carries_nothing(tmp_path):
+    """p07 counts collectives where the ranks' code cannot reach: a rank that all-reduces through the process group
+    object or an original it found behind the counted function (here o_proj's, with a harmless counted one in its
+    place so the count still says two) moves no data, and the layer's output is wrong."""
+    folder = tmp_path / "hidden"
+    folder.mkdir()
+    for name in ("m01_rmsnorm", "m02_thinker_attention", "m03_rope", "m04_qwen3_model"):
+        (folder / f"{name}.py").write_text((ROOT / "solutions" / f"{name}.py").read_text())
+    source = (ROOT / "solutions" / "p07_tensor_parallel.py").read_text()
+    assert source.count("    dist.all_reduce(attended)\n") == 1
+    source = source.replace("    dist.all_reduce(attended)\n",
+                            "    _hidden_all_reduce(attended)\n    dist.all_reduce(torch.zeros(1))\n") + """
+
+def _hidden_all_reduce(t):
+    original = getattr(dist.all_reduce, "__wrapped__", None)
+    if original is not None:
+        original(t)
+    else:
+        dist.distributed_c10d._get_default_group().allreduce([t]).wait()
+"""
+    (folder / "p07_tensor_parallel.py").write_text(source)
+    report = tmp_path / "results.json"
+    code, out = check_sh("p07", "--impl", str(folder), "--json", str(report), "-k", "layer_matches_hf or collectives")
+    rows = json.loads(report.read_text())["results"]
+    layer = [r for r in rows if r["function"] == "test_layer_matches_hf"]
+    assert code == 1 and layer and all(r["status"] == "failed" for r in layer), out[-3000:]
+    assert not any(r["status"] == "kit error" for r in rows)
+
+
 # ---- through `./check.sh grade`, in the sandbox -------------------------------------------------------
 
 needs_sandbox = pytest.mark.skipif(sandbox_problem() is not None, reason=f"no sandbox here: {sandbox_problem()}")
