@@ -190,6 +190,15 @@ def test_tiled_never_builds_the_score_matrix(impl, gen):
     if watch.largest >= full // 2:
         raise Mismatch(f"a tensor of {watch.largest} bytes was made; the whole [H, Tq, Tk] fp32 score matrix takes "
                        f"{full}: with 16 x 16 tiles no tensor needs more than the inputs")
+    if watch.outside is not None:  # `grade` with a memory cgroup: the kernel's count, whatever the worker says
+        T, tile = 2048, 256  # scores of 16 MiB against tiles of 256 KiB: far apart in pages, whatever else moves
+        q, k, v = fp32(T, 1, 16, gen=gen), fp32(T, 1, 16, gen=gen), fp32(T, 1, 16, gen=gen)
+        with impl.watch_tensors() as outside:
+            impl.tiled_attention(q, k, v, tile, tile, causal=False)
+        if outside.outside >= T * T * 4 // 2:
+            raise Mismatch(f"the worker's memory grew by {outside.outside >> 20} MiB during one call over {T} queries "
+                           f"and keys in {tile} x {tile} tiles: the whole fp32 score matrix takes {T * T * 4 >> 20} "
+                           "MiB, tiles a few hundred KiB")
 
 
 # ---- step 3: the Triton kernel ------------------------------------------------------------------------

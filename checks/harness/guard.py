@@ -321,7 +321,9 @@ class Guarded:
 
     def watch_tensors(self) -> "TensorWatch":
         """`with impl.watch_tensors() as watch:` the calls inside report the largest tensor (in bytes) any
-        torch operation made while they ran, in the worker: `watch.largest`."""
+        torch operation made while they ran, in the worker: `watch.largest` (what the worker says); and, under
+        `grade` where the sandbox has a memory cgroup, `watch.outside`: the most its memory grew during a call,
+        measured by the kernel (None elsewhere)."""
         return TensorWatch(self)
 
     def fresh_worker(self) -> None:
@@ -381,6 +383,9 @@ class Guarded:
                                                                          for w in writes.arguments)), None)
         if watch:
             self.watch.largest = max(self.watch.largest, largest if type(largest) is int else 0)
+            outside = self.run.session.peak
+            if outside is not None:
+                self.watch.outside = max(self.watch.outside or 0, outside)
         if making:
             if not isinstance(result, Remote):
                 raise LearnerError(f"`{name}(...)` did not make an object")
@@ -410,6 +415,7 @@ class Guarded:
 class TensorWatch:
     def __init__(self, guarded: Guarded):
         self.guarded, self.largest = guarded, 0
+        self.outside: int | None = None
 
     def __enter__(self) -> "TensorWatch":
         self.guarded.watch = self

@@ -73,19 +73,53 @@ class Cgroup:
                 return int(value)
         return 0
 
-    def peak(self) -> int | None:
-        """The most memory the cgroup has held (bytes), where the kernel keeps it."""
-        name = "memory.peak" if self.version == 2 else "memory.max_usage_in_bytes"
+    def usage(self) -> int | None:
+        """The memory the cgroup holds now (bytes)."""
         try:
-            return int((self.path / name).read_text())
+            return int((self.path / ("memory.current" if self.version == 2 else "memory.usage_in_bytes")).read_text())
         except (OSError, ValueError):
             return None
+
+    def peak_since_reset(self):
+        """A measure of the most memory the cgroup holds from now on: `measure()` gives the bytes above what it
+        held now, or None where the kernel cannot restart its peak (cgroup v1's max_usage_in_bytes restarts
+        when written; v2's memory.peak restarts for the file handle that writes it, from Linux 6.12)."""
+        return PeakSince(self)
 
     def remove(self) -> None:
         try:
             self.path.rmdir()
         except OSError:
             pass
+
+
+class PeakSince:
+    def __init__(self, cgroup: Cgroup):
+        self.base, self.handle = cgroup.usage(), None
+        try:
+            if cgroup.version == 1:
+                (cgroup.path / "memory.max_usage_in_bytes").write_text("0")
+                self.read = lambda: int((cgroup.path / "memory.max_usage_in_bytes").read_text())
+            else:
+                self.handle = open(cgroup.path / "memory.peak", "r+")
+                self.handle.write("reset\n")
+                self.handle.flush()
+                self.read = self._read_handle
+        except (OSError, ValueError):
+            self.read = None
+
+    def _read_handle(self) -> int:
+        self.handle.seek(0)
+        return int(self.handle.read())
+
+    def measure(self) -> int | None:
+        try:
+            return None if self.read is None or self.base is None else max(0, self.read() - self.base)
+        except (OSError, ValueError):
+            return None
+        finally:
+            if self.handle is not None:
+                self.handle.close()
 
 
 def own_memory_cgroup() -> tuple[Path, int]:

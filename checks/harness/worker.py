@@ -400,6 +400,7 @@ class Session:
         self.loaded = None  # ("loaded", names) or ("load-error", reason) of the current worker
         self.notes: list[tuple] = []  # what the worker noted while calls ran (collectives), oldest first
         self.written: list[tuple] = []  # storage keys (`wire.storage_key`) of the last call's inputs it wrote
+        self.peak: int | None = None  # bytes the sandbox's memory grew by at most in the last watched call
         # (name, part, deadline) -> the answer to a collective the worker entered (set for ranks: ranks.py)
         self.on_collective = None
 
@@ -431,7 +432,10 @@ class Session:
         # A call's inputs cross in shared memory: what the call wrote into them is read here, after it, from this
         # side (a worker can disable any check of its own, or forge its reply, but not this)
         shared = wire.SharedStorages(codec.storages) if message[0] in ("call", "method") and codec.storages else None
-        self.written = []
+        self.written, self.peak = [], None
+        cgroup = self.server.sandbox.cgroup if self.server.sandbox is not None else None
+        peak = cgroup.peak_since_reset() if cgroup is not None and message[0] in ("call", "method") and \
+            message[-1] is True else None  # a call watched for its largest allocation: measured here too
         try:
             if shared is None:
                 wire.send(self.sock, (tree, codec.storages))
@@ -457,6 +461,8 @@ class Session:
                 if reply[0] != "callback":
                     if shared is not None:
                         self.written = [codec.storage_keys[i] for i in shared.written()]
+                    if peak is not None:
+                        self.peak = peak.measure()
                     return reply
                 wire.send(self.sock, self._serve_callback(reply, callbacks))
         except wire.Timeout:

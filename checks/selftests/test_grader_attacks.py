@@ -616,6 +616,45 @@ def test_memory_the_worker_never_maps_counts_against_the_limit(tmp_path):
 
 
 @needs_sandbox
+def test_a_score_matrix_hidden_from_the_workers_watch_is_seen_from_outside(tmp_path):
+    """p03's tiled attention that builds the whole score matrix and switches off the worker's own watch of its
+    tensors: under `grade` with a memory cgroup, the kernel's count of the sandbox's memory still sees it."""
+    source = (ROOT / "solutions" / "p03_flash_attention.py").read_text() + """
+
+def tiled_attention(q, k, v, block_q, block_k, softmax_scale=None, causal=True):
+    import contextlib, sys
+
+    class Blind(contextlib.nullcontext):
+        largest = 0
+
+    for module in list(sys.modules.values()):  # the worker's watch of the largest tensor: now sees nothing
+        if hasattr(module, "LargestTensor"):
+            module.LargestTensor = Blind
+    Tq, H, D = q.shape
+    k, v = (t.repeat_interleave(H // t.shape[1], dim=1).float() for t in (k, v))
+    scores = torch.einsum("qhd,khd->hqk", q.float(), k) * (softmax_scale or D ** -0.5)  # [H, Tq, Tk]
+    if causal:
+        Tk = k.shape[0]
+        scores.masked_fill_(torch.ones(Tq, Tk, dtype=torch.bool).triu(Tk - Tq + 1), float("-inf"))
+    lse = torch.logsumexp(scores, -1)
+    out = torch.einsum("hqk,khd->qhd", torch.softmax(scores, -1), v)
+    return out.to(q.dtype), lse
+"""
+    submission = tmp_path / "submission"
+    submission.mkdir()
+    (submission / "p03_flash_attention.py").write_text(source)
+    results = tmp_path / "results.json"
+    code, out = check_sh("grade", str(submission), "p03", "--gradescope", str(results), "-k", "tiled")
+    scored = json.loads(results.read_text())
+    watched = [t for t in scored["tests"] if "no tensor is half the size" in t["name"]]
+    assert watched, [t["name"] for t in scored["tests"]]
+    if "no memory cgroup here" in scored["output"]:
+        return  # nothing measures it from outside on this machine, and the grade says so
+    assert watched[0]["status"] == "failed" and "memory grew" in watched[0]["output"], watched[0]
+    assert all(t["status"] == "passed" for t in scored["tests"] if t is not watched[0]), out[-2000:]
+
+
+@needs_sandbox
 def test_a_checkpoint_never_lands_where_the_submission_points(tmp_path):
     """The checks write m04's checkpoint with the grader's rights: into their own private folder, never into a path
     inside the submission, which could be a link to the kit."""
