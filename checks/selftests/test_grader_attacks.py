@@ -379,10 +379,12 @@ needs_sandbox = pytest.mark.skipif(sandbox_problem() is not None, reason=f"no sa
 def kit_fingerprint() -> dict[str, str]:
     """Every file of the kit but run state and environments, by content."""
     found = {}
-    for path in sorted(ROOT.rglob("*")):
-        parts = path.relative_to(ROOT).parts
-        if path.is_file() and not {".venv", "__pycache__"} & set(parts) and parts[0] not in (".kvlab",):
-            found[str(path.relative_to(ROOT))] = hashlib.sha256(path.read_bytes()).hexdigest()
+    for folder, dirs, files in os.walk(ROOT):
+        dirs[:] = [d for d in dirs if d not in (".venv", "__pycache__", ".kvlab") and not d.startswith("pytest-")]
+        for name in files:
+            path = Path(folder) / name
+            if path.is_file():
+                found[str(path.relative_to(ROOT))] = hashlib.sha256(path.read_bytes()).hexdigest()
     return found
 
 
@@ -402,74 +404,6 @@ def assert_graded_as_failed(code: int, out: str, scored: dict, out_of: float = 2
     for test in scored["tests"]:
         for line in test["output"].splitlines():
             assert len(line) < 400
-
-
-SANDBOX_ATTACKS = {
-    "writes-into-the-kit": both(f"""
-        for target in ("solutions/m01_rmsnorm.py", ".kvlab/results.json", ".git/hooks/pre-commit",
-                       "checks/__pycache__/conftest.cpython-311.pyc", "checks/harness/compare.py"):
-            try:
-                with open(os.path.join({str(ROOT)!r}, target), "w") as f:
-                    f.write("pwned")
-            except OSError:
-                pass
-        import site
-        for folder in site.getsitepackages():
-            try:
-                with open(os.path.join(folder, "sitecustomize.py"), "w") as f:
-                    f.write("raise SystemExit")
-            except OSError:
-                pass
-    """),
-    "reads-the-reference": both(f"""
-        namespace = {{}}
-        exec(open(os.path.join({str(ROOT)!r}, "solutions", "m01_rmsnorm.py")).read(), namespace)
-        return namespace["rms_norm"](x, weight, eps)
-    """),
-    "exhausts-memory": both("""
-        hog = torch.ones(64 * 2**30 // 4)
-        blocks = [bytearray(2**30) for _ in range(64)]
-    """),
-    "forks-without-end": both("""
-        while True:
-            os.fork()
-    """),
-    "leaks-the-graders-environment": both("raise RuntimeError(' '.join(f'{k}={v}' for k, v in os.environ.items()))"),
-    "calls-the-oracle-library": both("""
-        from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm
-        norm = Qwen3RMSNorm(x.shape[-1], eps)
-        norm.weight.data.copy_(weight)
-        return norm(x)
-    """),
-}
-
-
-@needs_sandbox
-@pytest.mark.parametrize("name", SANDBOX_ATTACKS)
-def test_an_attack_on_the_machine_fails_in_the_sandbox(tmp_path, name):
-    before = kit_fingerprint()
-    code, out, scored, submission = grade(tmp_path, attack("", SANDBOX_ATTACKS[name]),
-                                          env={"KVLAB_GRADER_SECRET": "s3cret-token-42"})
-    assert_graded_as_failed(code, out, scored)
-    assert "s3cret-token-42" not in json.dumps(scored) and "s3cret-token-42" not in out
-    assert kit_fingerprint() == before, "the submission changed the kit"
-    assert sorted(p.name for p in submission.iterdir()) == ["m01_rmsnorm.py"], "grade wrote into the submission"
-
-
-@needs_sandbox
-def test_no_network_in_the_sandbox(tmp_path):
-    listener = socket.create_server(("127.0.0.1", 0))
-    listener.settimeout(0.1)
-    port = listener.getsockname()[1]
-    text = attack("", both(f"""
-        import socket
-        socket.create_connection(("127.0.0.1", {port}), timeout=1).sendall(b"hello")
-    """))
-    code, out, scored, _ = grade(tmp_path, text)
-    assert_graded_as_failed(code, out, scored)
-    with pytest.raises(TimeoutError):
-        listener.accept()
-    assert any("ConnectionRefusedError" in t["output"] or "OSError" in t["output"] for t in scored["tests"])
 
 
 @needs_sandbox
@@ -523,9 +457,13 @@ def test_an_honest_submission_scores_everything_under_an_inherited_hard_limit(tm
     assert "score: 20 / 20" in out
 
 
-PROBE = attack("""
-    import tempfile
+# One submission tries everything it should not be able to do on the machine and says what it found (a grade
+# of its own for each try would cost the suite a sandbox start each): `rms_norm` probes, `add_rms_norm` sends a
+# reason meant to rewrite the terminal. The probe's findings are cached, so every check says the same.
+PROBE = FORGE + attack("""
+    import socket, tempfile
     FOUND = []
+    KIT = {kit!r}
 
 
     def writable_mib(folder, most=1024):
@@ -533,7 +471,7 @@ PROBE = attack("""
         written, chunk = 0, b"\\0" * (64 << 20)
         try:
             while written < most:
-                with open(os.path.join(folder, f"fill-{written}"), "wb") as f:
+                with open(os.path.join(folder, f"fill-{{written}}"), "wb") as f:
                     f.write(chunk)
                 written += 64
         except OSError:
@@ -544,42 +482,101 @@ PROBE = attack("""
         return written
 
 
+    def tried(action):
+        try:
+            action()
+            return "yes"
+        except BaseException as error:
+            return type(error).__name__
+
+
+    def write(path):
+        with open(path, "w") as f:
+            f.write("pwned")
+
+
+    def forks():
+        children = []
+        try:
+            for _ in range(1000):
+                pid = os.fork()
+                if pid == 0:
+                    time.sleep(60)
+                    os._exit(0)
+                children.append(pid)
+        except OSError:
+            pass
+        for pid in children:
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+        return len(children)
+
+
     def probe():
         if not FOUND:
-            with open(f"/proc/{os.getppid()}/status") as status:
+            import site
+            with open(f"/proc/{{os.getppid()}}/status") as status:
                 caps = next(line.split()[1] for line in status if line.startswith("CapEff"))
             temporary = [tempfile.mkstemp(dir=d)[1] for d in ("/tmp", "/dev/shm")]
             mine = os.path.dirname(os.path.abspath(__file__))
-            sizes = {name: writable_mib(d) for name, d in (("tmp", "/tmp"), ("shm", "/dev/shm"), ("own", mine))}
-            FOUND.append(f"probe caps={caps} temporary={len(temporary)} " + " ".join(f"{k}={v}" for k, v in sizes.items()))
-        raise RuntimeError(FOUND[0])
-""", both("probe()"))
+            sizes = {{name: writable_mib(d) for name, d in (("tmp", "/tmp"), ("shm", "/dev/shm"), ("own", mine))}}
+            found = {{
+                "caps": caps, "temporary": len(temporary), **sizes, "forks": forks(),
+                "reference": tried(lambda: open(os.path.join(KIT, "solutions", "m01_rmsnorm.py")).read()),
+                "kit": tried(lambda: [write(os.path.join(KIT, t)) for t in (
+                    "solutions/m01_rmsnorm.py", ".kvlab/results.json", ".git/hooks/pre-commit",
+                    "checks/harness/compare.py")]),
+                "sitepackages": tried(lambda: [write(os.path.join(d, "sitecustomize.py")) for d in site.getsitepackages()]),
+                "oracle": tried(lambda: __import__("transformers.models.qwen3.modeling_qwen3")),
+                "network": tried(lambda: socket.create_connection(("127.0.0.1", {port}), timeout=1).sendall(b"hi")),
+                "secret": "s3cret-token-42" in " ".join(os.environ.values()),
+            }}
+            items = [f"{{k}}={{v}}" for k, v in found.items()]
+            FOUND.extend("probe " + " ".join(items[i::3]) for i in range(3))  # a reason is cut at 200 characters
+        FOUND.append(FOUND.pop(0))
+        raise RuntimeError(FOUND[-1])
+""", """
+def rms_norm(x, weight, eps):
+    probe()
+
+
+def add_rms_norm(x, residual, weight, eps):
+    forge((("T", ["raised", "\\x1b[2J\\x1b]0;owned\\x07\\x1b[32m✓ all pass\\x1b[0m\\x00\\x0b\\u202e" + "A" * (4 << 20)]), []))
+    return torch.zeros_like(x), torch.zeros_like(x)
+""")
 
 
 @needs_sandbox
-def test_the_sandbox_gives_private_size_limited_memory_folders_and_few_capabilities(tmp_path):
-    code, out, scored, _ = grade(tmp_path, PROBE, "-k", "toy")
+def test_the_sandbox_holds_what_a_submission_tries_on_the_machine(tmp_path):
+    """The probe finds: the reference unreadable, the kit, its git hooks and site-packages unwritable, no oracle
+    library, no network, none of the grader's environment, a bounded number of processes, only the capabilities
+    to become the unprivileged user and end it, and private memory filesystems (/tmp, /dev/shm, its own folder)
+    of at most 256 MiB each. Its 4 MB reason with terminal escapes, control characters and a direction override
+    reaches the report, the Gradescope file and the JUnit XML as one short clean line (the XML parses)."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    listener.settimeout(0.1)
+    before = kit_fingerprint()
+    junit = tmp_path / "report.xml"
+    text = PROBE.replace("{kit!r}", repr(str(ROOT))).replace("{port}", str(listener.getsockname()[1]))
+    text = text.replace("{{", "{").replace("}}", "}")
+    code, out, scored, submission = grade(tmp_path, text, "--junit", str(junit), "-k", "toy",
+                                          env={"KVLAB_GRADER_SECRET": "s3cret-token-42"})
     assert_graded_as_failed(code, out, scored)
-    line = next(line for t in scored["tests"] for line in t["output"].splitlines() if "probe caps=" in line)
-    found = dict(re.findall(r"\b(caps|temporary|tmp|shm|own)=(\w+)", line))
+    assert kit_fingerprint() == before, "the submission changed the kit"
+    assert sorted(p.name for p in submission.iterdir()) == ["m01_rmsnorm.py"], "grade wrote into the submission"
+    with pytest.raises(TimeoutError):
+        listener.accept()
+    line = " ".join(line[line.index("probe "):] for t in scored["tests"] for line in t["output"].splitlines()
+                    if "probe " in line)
+    found = dict(re.findall(r"\b(\w+)=(\w+)", line))
     assert int(found["caps"], 16) == (1 << 5) | (1 << 6) | (1 << 7), line  # CAP_KILL, CAP_SETGID, CAP_SETUID only
     assert found["temporary"] == "2", line  # a temporary file in /tmp and in /dev/shm
     for place in ("tmp", "shm", "own"):  # writable, and no more than the memory filesystem's size
         assert 0 < int(found[place]) <= 256, line
-
-
-@needs_sandbox
-def test_reasons_are_cut_and_cleaned_in_every_output(tmp_path):
-    """A reason of 4 MB with terminal escapes, control characters and a direction override: the report, the
-    Gradescope file and the JUnit XML show a short clean line (the XML parses)."""
-    text = FORGE + attack("", both("""
-        forge((("T", ["raised", "\\x1b[2J\\x1b]0;owned\\x07\\x1b[32m✓ all pass\\x1b[0m\\x00\\x0b\\u202e" + "A" * (4 << 20)]), []))
-    """))
-    junit = tmp_path / "report.xml"
-    started = time.monotonic()
-    code, out, scored, _ = grade(tmp_path, text, "--junit", str(junit), "-k", "toy")
-    assert time.monotonic() - started < 120
-    assert_graded_as_failed(code, out, scored)
+    assert int(found["forks"]) <= 200, line  # the process limit: its user's tasks + 128
+    assert found["reference"] == "FileNotFoundError" and found["oracle"] == "ModuleNotFoundError", line
+    assert found["kit"] != "yes" and found["sitepackages"] != "yes" and found["network"] != "yes", line
+    assert found["secret"] == "False", line
     assert "\x1b" not in out and "\u202e" not in out and "\x00" not in out
     assert (tmp_path / "results.json").stat().st_size < 50_000 and junit.stat().st_size < 50_000
     ET.parse(junit)
@@ -589,8 +586,9 @@ def test_reasons_are_cut_and_cleaned_in_every_output(tmp_path):
 
 
 @needs_sandbox
-def test_memory_the_worker_never_maps_counts_against_the_limit(tmp_path):
-    """A memfd filled with 3 GiB is never mapped: an address-space limit and a resident-memory watch miss it. In a
+def test_memory_past_the_limit_stops_the_worker(tmp_path):
+    """`rms_norm` asks for 64 GiB of tensors and buffers: the worker's limit stops it. `add_rms_norm` fills memfds
+    with 3 GiB that it never maps, which an address-space limit and a resident-memory watch both miss: in a
     memory cgroup it counts, and the worker is stopped at the limit; where none can be made, every output says so."""
     text = attack("""
         def hog():
@@ -604,15 +602,25 @@ def test_memory_the_worker_never_maps_counts_against_the_limit(tmp_path):
                 os.write(held[-1], chunk)
                 os.write(held[-1], chunk)
             raise RuntimeError("held 3 GiB in memfds")
-    """, both("hog()"))
+    """, """
+def rms_norm(x, weight, eps):
+    hog = torch.ones(64 * 2**30 // 4)
+    blocks = [bytearray(2**30) for _ in range(64)]
+    return torch.zeros_like(x)
+
+
+def add_rms_norm(x, residual, weight, eps):
+    hog()
+    return torch.zeros_like(x), torch.zeros_like(x)
+""")
     code, out, scored, _ = grade(tmp_path, text, "--memory-limit", "1", "-k", "toy")
     assert_graded_as_failed(code, out, scored)
-    reasons = " ".join(t["output"] for t in scored["tests"])
+    toy = {t["name"].split(" · ")[1].split()[0]: t["output"] for t in scored["tests"]}
+    assert "memory" in toy["rms_norm"].lower() or "MemoryError" in toy["rms_norm"], toy["rms_norm"]
     if "no memory cgroup here" in scored["output"]:
         assert "no memory cgroup here" in out
     else:
-        assert "memory limit" in reasons and "held 3 GiB" not in reasons, reasons[:1000]
-    assert "held 3 GiB" not in reasons or "no memory cgroup here" in out
+        assert "memory limit" in toy["add_rms_norm"] and "held 3 GiB" not in toy["add_rms_norm"], toy
 
 
 @needs_sandbox
@@ -696,6 +704,8 @@ def test_a_killed_grader_leaves_no_copy_behind(tmp_path):
     while list(private.glob("kvlab-grade-*")) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert not list(private.glob("kvlab-grade-*")), "the copy was left behind"
+    while sandboxed() and time.monotonic() < deadline:
+        time.sleep(0.1)
     assert not sandboxed(), "the sandbox outlived the grader"
     try:
         parent, _ = own_memory_cgroup()
