@@ -11,7 +11,9 @@ Where no cgroup can be made, `problem` says why, and the grade's report says so.
 Only the standard library: the cgroup is made and removed in the checks' process, outside the sandbox.
 """
 
+import errno
 import os
+import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -40,6 +42,10 @@ class Cgroup:
                 (path / "memory.limit_in_bytes").write_text(str(limit))
                 if (path / "memory.memsw.limit_in_bytes").exists():
                     (path / "memory.memsw.limit_in_bytes").write_text(str(limit))
+            # a process must be able to enter it (cgroup v2 asks for rights over the common ancestor too)
+            entered = subprocess.run(group.enter_command() + ["true"], capture_output=True, text=True)
+            if entered.returncode != 0:
+                raise OSError(errno.EACCES, f"a process cannot enter it ({entered.stderr.strip()[-200:]})")
         except OSError:
             group.remove()
             raise
