@@ -4,6 +4,8 @@ Oracles: the hand-computed rows in toy_cases/m01_rmsnorm.json, Hugging Face's `Q
 HF's `Qwen3DecoderLayer` run for real for the residual wiring.
 """
 
+from functools import cache
+
 import pytest
 import torch
 
@@ -35,14 +37,26 @@ CONTRACTS = {
     ),
 }
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+# Qwen3-0.6B's widths: q_norm / k_norm normalise each of 16 (8) heads over head_dim 128, the layer norms a
+# token's hidden 1024. The random shapes stay small; these cases are the real ones.
+HEADS, HEAD_DIM, HIDDEN = 16, 128, 1024
+# name -> (leading dims, D): None draws 1-6 per leading dim, and D from 3 to 96
+SHAPES = {
+    "rows": ((None,), None),
+    "batch-rows": ((None, None), None),
+    "3d": ((None, None, None), None),
+    "qk-norm-T-16-128": ((None, HEADS), HEAD_DIM),
+    "hidden-1024": ((None,), HIDDEN),
+}
 TOY = load_toy("m01_rmsnorm")
 
 
-def random_rows(gen, dtype, *, lead_dims: int, scale: float = 1.0):
-    """x [..., D] with 1-3 irregular leading dims, and a weight around 1 (never all ones)."""
-    shape = [int(torch.randint(1, 7, (), generator=gen)) for _ in range(lead_dims)]
-    D = int(torch.randint(3, 97, (), generator=gen))
-    x = (torch.randn(*shape, D, generator=gen) * scale).to(dtype)
+def random_rows(gen, dtype, *, lead_dims: int = 1, scale: float = 1.0, shape: str | None = None):
+    """x [..., D] with 1-3 irregular leading dims (or one of SHAPES), and a weight around 1 (never all ones)."""
+    lead, D = SHAPES[shape] if shape is not None else ((None,) * lead_dims, None)
+    dims = [int(torch.randint(1, 7, (), generator=gen)) if n is None else n for n in lead]
+    D = int(torch.randint(3, 97, (), generator=gen)) if D is None else D
+    x = (torch.randn(*dims, D, generator=gen) * scale).to(dtype)
     weight = (1 + 0.5 * torch.randn(D, generator=gen)).to(dtype)
     return x, weight
 
@@ -67,17 +81,18 @@ def test_toy_add_rms_norm(impl):
 
 
 @pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES.keys())
-@pytest.mark.parametrize("lead_dims", [1, 2, 3], ids=["rows", "batch-rows", "3d"])
-def test_matches_hf_rmsnorm(impl, gen, dtype, lead_dims):
-    """rms_norm matches HF Qwen3RMSNorm on random shapes"""
-    x, weight = random_rows(gen, dtype, lead_dims=lead_dims)
+@pytest.mark.parametrize("shape", SHAPES)
+def test_matches_hf_rmsnorm(impl, gen, dtype, shape):
+    """rms_norm matches HF Qwen3RMSNorm on random shapes and Qwen3's own widths (head_dim 128, hidden 1024)"""
+    x, weight = random_rows(gen, dtype, shape=shape)
     expected = hf_rms_norm(x, weight, 1e-6)
     expect_close(impl.rms_norm(x, weight, 1e-6), expected, tolerance("elementwise", dtype), f"output {list(x.shape)}")
 
 
-def test_fp16_large_values(impl, gen):
+@pytest.mark.parametrize("shape", ["rows", "hidden-1024"])
+def test_fp16_large_values(impl, gen, shape):
     """fp16 rows with |x| in the hundreds (their squares overflow fp16) match HF"""
-    x, weight = random_rows(gen, torch.float32, lead_dims=1)
+    x, weight = random_rows(gen, torch.float32, shape=shape)
     x = (x.sign() * (200 + 800 * x.abs().clamp(max=1))).to(torch.float16)  # |x| in [200, 1000]
     weight = weight.to(torch.float16)
     expected = hf_rms_norm(x, weight, 1e-6)
@@ -101,12 +116,21 @@ def test_eps_is_used(impl, gen):
         expect_close(impl.rms_norm(x, weight, eps), expected, tolerance("elementwise", torch.float32), f"eps={eps}")
 
 
-@pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES.keys())
-def test_add_rms_norm_matches_hf_decoder_layer(impl, gen, dtype):
-    """add_rms_norm matches HF Qwen3DecoderLayer's residual add + post-attention norm"""
-    x, weight = random_rows(gen, dtype, lead_dims=1)
+@cache
+def decoder_layer_case(seed: int, shape: str, dtype: torch.dtype):
+    """x, residual, weight and HF's (normed, new residual) for them, once per case rather than once per
+    implementation checked (HF's layer at hidden 1024 takes a tenth of a second to build). Calls get copies."""
+    gen = torch.Generator().manual_seed(seed)  # what the `gen` fixture gives this case
+    x, weight = random_rows(gen, dtype, shape=shape)
     residual = (4 * torch.randn(x.shape, generator=gen)).to(dtype)  # the stream is larger than one update
-    expected_normed, expected_residual = hf_decoder_add_norm(x, residual, weight, 1e-6)
+    return x, residual, weight, *hf_decoder_add_norm(x, residual, weight, 1e-6)
+
+
+@pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES.keys())
+@pytest.mark.parametrize("shape", ["rows", "hidden-1024"])
+def test_add_rms_norm_matches_hf_decoder_layer(impl, seed, shape, dtype):
+    """add_rms_norm matches HF Qwen3DecoderLayer's residual add + post-attention norm"""
+    x, residual, weight, expected_normed, expected_residual = decoder_layer_case(seed, shape, dtype)
     normed, new_residual = impl.add_rms_norm(x, residual, weight, 1e-6)
     tol = tolerance("elementwise", dtype)
     expect_close(new_residual, expected_residual, tol, "new_residual")

@@ -44,6 +44,11 @@ LAYOUTS = {
     "H6-KVH3-D16": (6, 3, 16, 40),
     "H4-KVH1-D32": (4, 1, 32, 64),
 }
+# Qwen3-0.6B's own attention: 16 heads on 8 KV heads, head_dim 128, hidden 1024 (only the token counts stay
+# small). Its fp32 weights are 24 MB, sent with every call: it gets two calls (a prefill into an empty cache,
+# then a decode step: the chunked check's "10+1"), in fp32, where the tolerance is tight.
+QWEN3 = "Qwen3-H16-KVH8-D128-hidden1024"
+SHAPES = {**LAYOUTS, QWEN3: (16, 8, 128, 1024)}
 TOY = load_toy("m02_thinker_attention")
 
 
@@ -69,7 +74,7 @@ def hf_case(seed: int, layout: str, dtype: torch.dtype, S: int) -> Case:
     HF runs in float64 on exactly the (rounded) inputs the learner gets, so the expected values carry
     no rounding of their own; the tolerance is the room a correct `dtype` computation needs."""
     gen = torch.Generator().manual_seed(seed)
-    H, KVH, D, hidden = LAYOUTS[layout]
+    H, KVH, D, hidden = SHAPES[layout]
     w = AttentionWeights.random(gen, hidden, H, KVH, D).to(dtype)
     x = torch.randn(S, hidden, generator=gen).to(dtype)
     cos, sin = rope_tables(D, torch.arange(S), dtype)
@@ -155,14 +160,18 @@ def test_prefill_into_empty_cache(impl, seed, layout):
 
 
 SPLITS = {"4+7": [4, 7], "1+10": [1, 10], "3+3+5": [3, 3, 5], "6+5": [6, 5], "2+2+2+2+3": [2, 2, 2, 2, 3]}
+# (split, layout, dtype): every split on a small layout in both dtypes, and a prefill then a decode step at
+# Qwen3's sizes in fp32
+CHUNKINGS = [(split, list(LAYOUTS)[n % len(LAYOUTS)], dtype) for n, split in enumerate(SPLITS) for dtype in DTYPES]
+CHUNKINGS.append(("10+1", QWEN3, "fp32"))
+SIZES = {**SPLITS, "10+1": [10, 1]}
 
 
-@pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES.keys())
-@pytest.mark.parametrize("split", SPLITS)
-def test_chunked_prefill_matches_hf(impl, seed, split, dtype):
+@pytest.mark.parametrize("split, layout, dtype", CHUNKINGS,
+                         ids=[f"{s}-{d}" if layout in LAYOUTS else f"{s}-{layout}-{d}" for s, layout, d in CHUNKINGS])
+def test_chunked_prefill_matches_hf(impl, seed, split, layout, dtype):
     """a prefill of 11 tokens in chunks gives HF's whole-prefill rows, with the cache right after each"""
-    layout = list(LAYOUTS)[list(SPLITS).index(split) % len(LAYOUTS)]
-    feed(impl, hf_case(seed, layout, dtype, 11), SPLITS[split], attention_tol(dtype))
+    feed(impl, hf_case(seed, layout, DTYPES[dtype], 11), SIZES[split], attention_tol(DTYPES[dtype]))
 
 
 @pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES.keys())

@@ -62,8 +62,10 @@ CONTRACTS = {
 }
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 HEAD_DIMS = [8, 16, 64, 128]
-# (H, KVH, D): H != KVH everywhere, H / KVH = 3 in two of them, Qwen3's D = 128 in one
-LAYOUTS = {"H4-KVH2-D16": (4, 2, 16), "H6-KVH2-D8": (6, 2, 8), "H3-KVH1-D128": (3, 1, 128)}
+# (H, KVH, D): H != KVH everywhere, H / KVH = 3 in two of them, Qwen3's D = 128 in two; the last is Qwen3-0.6B's
+# own heads (16 query heads, 8 KV heads, head_dim 128)
+LAYOUTS = {"H4-KVH2-D16": (4, 2, 16), "H6-KVH2-D8": (6, 2, 8), "H3-KVH1-D128": (3, 1, 128),
+           "Qwen3-H16-KVH8-D128": (16, 8, 128)}
 THETA = QWEN3_ROPE_THETA
 TOY = load_toy("m03_rope")
 

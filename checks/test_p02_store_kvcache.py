@@ -35,7 +35,10 @@ CONTRACTS = {
 }
 VERSIONS = {"torch": "store_kvcache_torch", "triton": "store_kvcache"}
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
-LAYOUTS = {"KVH2-D8": (2, 8), "KVH3-D8": (3, 8), "KVH1-D6": (1, 6)}  # ROW = 16, 24 (not a power of two), 6
+# ROW = 16, 24 (not a power of two), 6, and Qwen3-0.6B's 8 KV heads of head_dim 128 (ROW 1024). The block size
+# stays 3-5 even there: the kernel addresses flat slots (block_size never enters it), and the guard rows after a
+# cache (slots x block_size of them, where a slot taken for a block id writes) would be 270 MB at 256.
+LAYOUTS = {"KVH2-D8": (2, 8), "KVH3-D8": (3, 8), "KVH1-D6": (1, 6), "Qwen3-KVH8-D128": (8, 128)}
 BITS = {torch.float32: torch.int32, torch.bfloat16: torch.int16, torch.float16: torch.int16}
 TOY = load_toy("p02_store_kvcache")
 

@@ -136,19 +136,20 @@ def test_step_state_matches_its_definition(impl, gen):
 
 # ---- step 2: tiled attention in PyTorch -------------------------------------------------------------
 
-# (H, KVH) with H / KVH = 1, 2, 4, each with its own tile shape (tiles need not divide the lengths)
-TILED_CASES = {"H2-KVH2-tiles-16x16": (2, 2, 16, 16), "H4-KVH2-tiles-7x11": (4, 2, 7, 11),
-               "H4-KVH1-tiles-32x64": (4, 1, 32, 64)}
+# (H, KVH, D) with H / KVH = 1, 2, 4, each with its own tile shape (tiles need not divide the lengths); the last
+# with Qwen3-0.6B's heads (16 on 8 KV heads, head_dim 128)
+TILED_CASES = {"H2-KVH2-tiles-16x16": (2, 2, 16, 16, 16), "H4-KVH2-tiles-7x11": (4, 2, 16, 7, 11),
+               "H4-KVH1-tiles-32x64": (4, 1, 16, 32, 64), "Qwen3-H16-KVH8-D128-tiles-16x32": (16, 8, 128, 16, 32)}
 
 
 @pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
 @pytest.mark.parametrize("case", TILED_CASES)
 def test_tiled_matches_naive(impl, gen, case, causal):
     """tiled attention for one sequence with a cached prefix (Tk >= Tq) gives the output and LSE of the definition"""
-    H, KVH, block_q, block_k = TILED_CASES[case]
+    H, KVH, D, block_q, block_k = TILED_CASES[case]
     Tq = int(torch.randint(1, 40, (), generator=gen))
     Tk = Tq + int(torch.randint(0, 25, (), generator=gen))
-    q, k, v = fp32(Tq, H, 16, gen=gen), fp32(Tk, KVH, 16, gen=gen), fp32(Tk, KVH, 16, gen=gen)
+    q, k, v = fp32(Tq, H, D, gen=gen), fp32(Tk, KVH, D, gen=gen), fp32(Tk, KVH, D, gen=gen)
     out, lse = impl.tiled_attention(q, k, v, block_q, block_k, causal=causal)
     expected_out, expected_lse = naive_attention(q, k, v, causal=causal)
     tol = tolerance("flash", torch.float32)
@@ -248,18 +249,29 @@ def test_kernel_toy_row(impl):
     expect_close(lse, torch.tensor([[t["lse"]]]), tolerance("toy", torch.float32), "lse")
 
 
-KERNEL_CASES = {  # dtype, H, KVH, D, causal: with LSE_CASES, H / KVH in {1, 2, 4}, D 64 and 128, both masks
+KERNEL_CASES = {  # dtype, H, KVH, D, causal: with LSE_CASES, H / KVH in {1, 2, 4}, D 64 and 128, both masks,
+    # and Qwen3-0.6B's heads (16 on 8 KV heads, head_dim 128)
     "fp16-H4-KVH2-D64-causal": ("fp16", 4, 2, 64, True),
     "bf16-H4-KVH1-D128-causal": ("bf16", 4, 1, 128, True),
     "bf16-H2-KVH2-D64-full": ("bf16", 2, 2, 64, False),
+    "bf16-Qwen3-H16-KVH8-D128-causal": ("bf16", 16, 8, 128, True),
 }
+
+
+def qwen3_lengths(gen):
+    """Qwen3's 16 heads make 4 times the programs of 4 heads, which the CPU interpreter runs one by one in
+    Python: there, one sequence of a few new tokens after a cached prefix; on a GPU the usual three."""
+    if not INTERPRETED:
+        return random_lengths(gen)
+    new, prefix = (int(torch.randint(2, 17, (), generator=gen)), int(torch.randint(1, MAX_PREFIX, (), generator=gen)))
+    return [new], [new + prefix]
 
 
 @pytest.mark.parametrize("case", KERNEL_CASES)
 def test_varlen_matches_naive(impl, gen, varlen, case):
-    """three packed sequences (1 query; a prefill; a prefill after a cached prefix) match the definition"""
+    """packed sequences (1 query; a prefill; a prefill after a cached prefix) match the definition"""
     dtype, H, KVH, D, causal = KERNEL_CASES[case]
-    q_lengths, k_lengths = random_lengths(gen)
+    q_lengths, k_lengths = qwen3_lengths(gen) if "Qwen3" in case else random_lengths(gen)
     q, k, v, cu_q, cu_k, max_q, max_k = varlen(DTYPES[dtype], H, KVH, D, q_lengths, k_lengths)
     out = impl.flash_attn_varlen(q, k, v, cu_q, cu_k, max_q, max_k, causal=causal)
     expected, _ = naive_varlen(q, k, v, cu_q, cu_k, causal=causal)

@@ -27,7 +27,7 @@ from checks.harness.toys import load_toy
 pytestmark = pytest.mark.p05
 
 TOLERANCE_KIND = "exact"  # bookkeeping: ids and counts, compared exactly
-# What `./check.sh grade` awards: a check's points, shared out over its cases (the module is worth the sum, 30).
+# What `./check.sh grade` awards: a check's points, shared out over its cases (the module is worth the sum, 32).
 POINTS = {
     "test_toy_scenario": 4,
     "test_prefill_comes_before_decode": 1,
@@ -45,6 +45,7 @@ POINTS = {
     "test_requests_finish_on_eos_unless_ignore_eos_and_at_max_tokens": 2,
     "test_a_finished_request_gives_its_blocks_back": 1,
     "test_add_refuses_what_the_cache_cannot_hold": 1,
+    "test_nano_vllm_sizes_match_the_model": 2,
     "test_random_request_streams_match_the_model": 3,
 }
 CONTRACTS = {}  # results are checked field by field below
@@ -59,6 +60,13 @@ def letter(request_id: int) -> str:
 
 def ids(names) -> str:
     return "[" + ", ".join(names) + "]"
+
+
+def prompt_text(prompt) -> str:
+    """A prompt as the steps recall it; one of thousands of tokens by its ends and length."""
+    if len(prompt) > 16:
+        return f"[{', '.join(map(str, prompt[:3]))}, …, {prompt[-1]}] ({len(prompt)} tokens)"
+    return ids(map(str, prompt))
 
 
 def batch_text(batch) -> str:
@@ -252,7 +260,7 @@ class Driver:
     # -- what the check does --
     def add(self, request_id: int, prompt, max_tokens: int, ignore_eos: bool = False) -> None:
         name = letter(request_id)
-        self.history.append(f"add {name} {ids(map(str, prompt))} max {max_tokens}" + " ignore_eos" * ignore_eos)
+        self.history.append(f"add {name} {prompt_text(prompt)} max {max_tokens}" + " ignore_eos" * ignore_eos)
         refused = not self.model.accepts(len(prompt), max_tokens)
         try:
             remote = self.scheduler.add(request_id, list(prompt), max_tokens, ignore_eos)
@@ -794,6 +802,21 @@ def test_add_refuses_what_the_cache_cannot_hold(impl):
     d.expect("schedule() with no request", got, ([], False))
     d.add(2, [1, 2], 5)  # 2 + 5 - 1 = 6 tokens: 3 blocks, accepted
     d.run_to_the_end()
+
+
+def test_nano_vllm_sizes_match_the_model(impl):
+    """nano-vllm's sizes (blocks of 256, a budget of 16384 tokens, 512 seats): prompts of thousands of tokens share
+    a prefix, and a decode opens a block, as the model does them"""
+    d = Driver(impl, 64, 256, 512, 16384)
+    a = list(range(1, 2561))  # 2560 tokens: 10 full blocks
+    d.add(0, a, 2)
+    d.add(1, a[:2000] + list(range(5000, 5300)), 2)  # A's first 7 full blocks (1792 tokens) are cached
+    d.add(2, list(range(9000, 9700)), 2)
+    d.step()  # prefill [A 2560, B 508, C 700]
+    d.expect_batch(1, [("A", 2560), ("B", 508), ("C", 700)])
+    d.step()  # decode all three (A's token 2561 opens its 11th block); each has its 2 tokens
+    d.expect_batch(2, [("A", 1), ("B", 1), ("C", 1)])
+    d.check_finished()
 
 
 # ---- random request streams (hypothesis) ---------------------------------------------------------------------

@@ -55,6 +55,10 @@ TOY = load_toy("p07_tensor_parallel")
 LAYOUTS = {"H4-KVH2": (64, 32, 48, 2, 4, 2, 8), "H8-KVH4": (96, 40, 64, 2, 8, 4, 8)}
 SPLITS = {"tp2-H4-KVH2": (2, "H4-KVH2"), "tp2-H8-KVH4": (2, "H8-KVH4"), "tp4-H8-KVH4": (4, "H8-KVH4")}
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+# Qwen3-0.6B's widths (hidden 1024, intermediate 3072, 16 heads on 8 KV heads, head_dim 128) in one layer, on two
+# ranks: each gets a 30 MB fp32 shard, so one case (a layer's output in fp32, where the tolerance is tight).
+QWEN3 = "Qwen3-L1-H16-KVH8-D128-hidden1024"
+SHAPES = {**LAYOUTS, QWEN3: (96, 1024, 3072, 1, 16, 8, 128)}
 
 
 # ---- the shards, by their definition ----------------------------------------------------------------
@@ -117,11 +121,11 @@ def rank_model(w: ModelWeights, rank: int, tp: int) -> RankModel:
 
 
 def random_weights(gen, layout: str) -> ModelWeights:
-    return ModelWeights.random(gen, *LAYOUTS[layout])  # (V, hidden, I, L, H, KVH, D)
+    return ModelWeights.random(gen, *SHAPES[layout])  # (V, hidden, I, L, H, KVH, D)
 
 
 def hf_case(seed: int, layout: str, dtype: torch.dtype, P: int) -> ModelCase:
-    return model_case(seed, LAYOUTS[layout], dtype, P)
+    return model_case(seed, SHAPES[layout], dtype, P)
 
 
 # ---- reading what the ranks return ----------------------------------------------------------------------
@@ -338,11 +342,15 @@ def test_parallel_lm_head(impl, gen, tp):
 # ---- a layer and the model ------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES.keys())
-@pytest.mark.parametrize("split", SPLITS)
+LAYER_SPLITS = {**SPLITS, f"tp2-{QWEN3}": (2, QWEN3)}
+LAYER_CASES = [(split, dtype) for dtype in DTYPES for split in SPLITS] + [(f"tp2-{QWEN3}", "fp32")]
+
+
+@pytest.mark.parametrize("split, dtype", LAYER_CASES, ids=[f"{split}-{dtype}" for split, dtype in LAYER_CASES])
 def test_layer_matches_hf(impl, seed, split, dtype):
     """tp_decoder_layer on every rank gives layer 0's output of HF Qwen3ForCausalLM (float64)"""
-    tp, layout = SPLITS[split]
+    tp, layout = LAYER_SPLITS[split]
+    dtype = DTYPES[dtype]
     case = hf_case(seed, layout, dtype, 6)
     layer = case.w.layers[0]
     hidden = case.w.embed_tokens[case.prompt]  # [P, hidden]: what layer 0 receives

@@ -20,8 +20,9 @@ from checks.harness.oracles import (
     hf_rms_norm,
     rope_tables,
 )
-from checks.test_m02_thinker_attention import LAYOUTS
+from checks.test_m02_thinker_attention import LAYOUTS, QWEN3, SHAPES
 from checks.test_m04_qwen3_model import LAYOUTS as M04_LAYOUTS
+from checks.test_m04_qwen3_model import QWEN3 as M04_QWEN3
 from checks.test_m04_qwen3_model import random_weights
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -46,12 +47,22 @@ def test_rmsnorm_oracle_within_half_the_tolerance(seed, dtype):
     assert close_enough(normed, truth_normed, tol)
 
 
-@pytest.mark.parametrize("seed", range(3))
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-@pytest.mark.parametrize("layout", LAYOUTS)
+# every layout the checks use in both dtypes, and Qwen3's own sizes in fp32 (the only dtype its cases use; one
+# seed: its float64 oracle is the costly part)
+ATTENTION_CASES = [(layout, dtype, seed) for seed in range(3) for layout in LAYOUTS for dtype in ("fp32", "bf16")]
+ATTENTION_CASES.append((QWEN3, "fp32", 0))
+DTYPE_OF = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+def case_ids(cases) -> list[str]:
+    return [f"{layout}-{dtype}-{seed}" for layout, dtype, seed in cases]
+
+
+@pytest.mark.parametrize("layout, dtype, seed", ATTENTION_CASES, ids=case_ids(ATTENTION_CASES))
 def test_attention_oracle_within_half_the_tolerance(seed, dtype, layout):
     gen = torch.Generator().manual_seed(seed)
-    H, KVH, D, hidden = LAYOUTS[layout]
+    dtype = DTYPE_OF[dtype]
+    H, KVH, D, hidden = SHAPES[layout]
     w = AttentionWeights.random(gen, hidden, H, KVH, D).to(dtype)
     x = torch.randn(13, hidden, generator=gen).to(dtype)
     cos, sin = rope_tables(D, torch.arange(13), dtype)
@@ -94,13 +105,16 @@ def test_rope_rotation_within_half_the_tolerance(seed, dtype):
     assert all(close_enough(got, exact, tol) for got, exact in zip(hf_apply_rope(q, k, cos, sin), truth))
 
 
-@pytest.mark.parametrize("seed", range(2))
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-@pytest.mark.parametrize("layout", M04_LAYOUTS)
+MODEL_CASES = [(layout, dtype, seed) for seed in range(2) for layout in M04_LAYOUTS for dtype in ("fp32", "bf16")]
+MODEL_CASES.append((M04_QWEN3, "fp32", 0))
+
+
+@pytest.mark.parametrize("layout, dtype, seed", MODEL_CASES, ids=case_ids(MODEL_CASES))
 def test_model_oracle_within_half_the_tolerance(seed, dtype, layout):
     """HF Qwen3ForCausalLM in `dtype` against the same weights and tokens in float64: logits and every
     sub-step the diagnosis compares."""
     gen = torch.Generator().manual_seed(seed)
+    dtype = DTYPE_OF[dtype]
     w = random_weights(gen, layout).to(dtype)
     tokens = torch.randint(0, w.embed_tokens.shape[0], (12,), generator=gen)
     truth, truth_steps = hf_logits_and_steps(hf_causal_lm(w.to(torch.float64), torch.float64), tokens)
