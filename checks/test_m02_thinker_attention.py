@@ -187,6 +187,9 @@ def test_chunked_equals_whole_exactly(impl, seed):
     whole = impl.attention_forward(*case.rows(0, 11))
     tol = tolerance("elementwise", torch.float32)
     for sizes in ([4, 7], [5] + [1] * 6):
+        # each path runs in a worker of its own: rows remembered from an earlier call (keyed by its inputs)
+        # cannot stand in for the ones this path computes
+        impl.fresh_worker()
         kv_cache, start, rows = impl.KVCache(), 0, []
         for size in sizes:
             rows.append(impl.attention_forward(*case.rows(start, start + size), kv_cache))
