@@ -259,7 +259,7 @@ def copy_submission(source: Path, copy: Path) -> list[str]:
 CLEANER = """import os, shutil, sys, time
 folder, *empty = sys.stdin.buffer.read().decode().splitlines()  # until the grader's end closes, however it ends
 shutil.rmtree(folder, ignore_errors=True)
-for _ in range(100):  # a cgroup goes once the sandbox's last process has ended
+for _ in range(1200):  # a cgroup goes once the sandbox's last process has ended (a minute at most)
     try:
         [os.rmdir(path) for path in empty if os.path.isdir(path)]
         break

@@ -1,6 +1,7 @@
 """`./check.sh` as learners and instructors type it."""
 
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -63,7 +64,7 @@ def test_student_folder_is_checked_in_isolation_and_left_clean(tmp_path):
     code, out = check_sh("m01", "m02", "--impl", str(student), cwd=tmp_path)
     assert code == 1
     assert "SyntaxError" in out and "m01_rmsnorm.py line" in out
-    assert out.count("SyntaxError") == 1 and "none of the 22 checks can run" in out  # said once, not per check
+    assert out.count("SyntaxError") == 1 and re.search(r"none of the \d+ checks can run", out)  # once, not per check
     assert "m02: 29 passed" in out or "m02:" in out and "failed" not in out.split("m02:")[1].splitlines()[0]
     assert sorted(p.name for p in student.iterdir()) == sorted(p.name for p in (ROOT / "solutions").iterdir()
                                                                if p.suffix == ".py")
@@ -96,11 +97,11 @@ def test_only_whole_runs_count_as_progress_and_reset_forgets_it(kit_copy):
     before = state.read_text() if state.exists() else None
     check_sh("m01", "-k", "toy", kit=kit_copy)
     assert (state.read_text() if state.exists() else None) == before  # a filtered run is not the module's status
-    check_sh("m01", kit=kit_copy)
-    assert "done (22/22 passed)" in check_sh("list", kit=kit_copy)[1]
+    checks = re.search(r"m01: (\d+) passed", check_sh("m01", kit=kit_copy)[1]).group(1)
+    assert f"done ({checks}/{checks} passed)" in check_sh("list", kit=kit_copy)[1]
     code, out = check_sh("reset", "m01", kit=kit_copy)
     assert code == 0 and "to restore it: cp .kvlab/backups/m01_rmsnorm." in out
-    assert "done (22/22" not in check_sh("list", kit=kit_copy)[1]
+    assert f"done ({checks}/" not in check_sh("list", kit=kit_copy)[1]
 
 
 def test_hints_in_the_terminal():

@@ -443,18 +443,30 @@ def test_grading_from_inside_a_folder_that_ships_its_own_checks(tmp_path):
 @needs_sandbox
 def test_an_honest_submission_scores_everything_under_an_inherited_hard_limit(tmp_path):
     """Started under `ulimit -v` (soft and hard), the grader's workers take the lower of the inherited hard limit
-    and their own: the sandbox can no longer raise a limit, and the worker must not try to."""
-    submission = write_attack(tmp_path / "submission", CORRECT)
+    and their own: the sandbox can no longer raise a limit, and the worker must not try to. The submission also
+    holds links where a checkpoint could go (`.kvlab-checkpoint` to the kit's checks, `checkpoint` to the kit):
+    the checks write m04's checkpoint with the grader's rights, into a private folder of their own, and the kit
+    is untouched."""
+    submission = tmp_path / "submission"
+    submission.mkdir()
+    for name in ("m01_rmsnorm", "m02_thinker_attention", "m03_rope", "m04_qwen3_model"):
+        (submission / f"{name}.py").write_text((ROOT / "solutions" / f"{name}.py").read_text())
+    (submission / ".kvlab-checkpoint").symlink_to(ROOT / "checks")
+    (submission / "checkpoint").symlink_to(ROOT)
+    before = kit_fingerprint()
     results = tmp_path / "results.json"
     done = subprocess.run(["bash", "-c", f'ulimit -v {12 << 20} && exec "$@"', "bash", str(ROOT / "check.sh"), "grade",
-                           str(submission), "m01", "--gradescope", str(results), "--memory-limit", "64"],
+                           str(submission), "m01", "m04", "-k", "rmsnorm or checkpoint", "--gradescope", str(results),
+                           "--memory-limit", "64"],
                           cwd=ROOT, capture_output=True, text=True, timeout=600,
                           env={**os.environ, "KVLAB_PYTHON": sys.executable, "COLUMNS": "140"})
     out = done.stdout + done.stderr
     scored = json.loads(results.read_text())
+    assert kit_fingerprint() == before, "the grader wrote into the kit"
     assert done.returncode == 0, out[-2000:]
-    assert scored["score"] == 20 and all(t["status"] == "passed" for t in scored["tests"])
-    assert "score: 20 / 20" in out
+    assert all(t["status"] == "passed" for t in scored["tests"]) and scored["score"] == 22, out[-2000:]
+    assert any("checkpoint" in t["name"] for t in scored["tests"])
+    assert "m01 · RMSNorm and the fused residual add: 20 / 20 points" in out
 
 
 # One submission tries everything it should not be able to do on the machine and says what it found (a grade
@@ -663,24 +675,6 @@ def tiled_attention(q, k, v, block_q, block_k, softmax_scale=None, causal=True):
 
 
 @needs_sandbox
-def test_a_checkpoint_never_lands_where_the_submission_points(tmp_path):
-    """The checks write m04's checkpoint with the grader's rights: into their own private folder, never into a path
-    inside the submission, which could be a link to the kit."""
-    submission = tmp_path / "submission"
-    submission.mkdir()
-    (submission / "m04_qwen3_model.py").write_text((ROOT / "solutions" / "m04_qwen3_model.py").read_text())
-    for name in ("m01_rmsnorm", "m02_thinker_attention", "m03_rope"):
-        (submission / f"{name}.py").write_text((ROOT / "solutions" / f"{name}.py").read_text())
-    (submission / ".kvlab-checkpoint").symlink_to(ROOT / "checks")
-    (submission / "checkpoint").symlink_to(ROOT)
-    before = kit_fingerprint()
-    results = tmp_path / "results.json"
-    code, out = check_sh("grade", str(submission), "m04", "--gradescope", str(results), "-k", "checkpoint")
-    assert kit_fingerprint() == before, "the grader wrote into the kit"
-    assert code == 0 and json.loads(results.read_text())["score"] > 0, out[-2000:]
-
-
-@needs_sandbox
 def test_a_killed_grader_leaves_no_copy_behind(tmp_path):
     """SIGKILL gives the grader no chance to clean up: its copy of the submission and its cgroup go all the same."""
     submission = write_attack(tmp_path / "submission", attack("", both("while True: pass")))
@@ -704,6 +698,7 @@ def test_a_killed_grader_leaves_no_copy_behind(tmp_path):
     while list(private.glob("kvlab-grade-*")) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert not list(private.glob("kvlab-grade-*")), "the copy was left behind"
+    deadline = time.monotonic() + 60
     while sandboxed() and time.monotonic() < deadline:
         time.sleep(0.1)
     assert not sandboxed(), "the sandbox outlived the grader"
@@ -711,7 +706,7 @@ def test_a_killed_grader_leaves_no_copy_behind(tmp_path):
         parent, _ = own_memory_cgroup()
     except OSError:
         return
-    deadline = time.monotonic() + 10
+    deadline = time.monotonic() + 60  # on a loaded machine the sandbox's processes take a while to go
     while (parent / copies[0].name).exists() and time.monotonic() < deadline:
         time.sleep(0.1)
     assert not (parent / copies[0].name).exists(), "the cgroup was left behind"
