@@ -20,6 +20,7 @@ import os
 import shutil
 import signal
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -282,12 +283,41 @@ def run(selected, args, impls: list[str] | None = None, extra: list[str] = (), r
     finished = (pytest.ExitCode.OK, pytest.ExitCode.TESTS_FAILED)
     reporters, codes = [], []
     stopped_by: list[int] = []
+    returned: list[bool] = []
 
     def interrupted(signum, frame):  # a `timeout` or a grader's kill: stop the checks, still write --json
         stopped_by.append(signum)
+        if len(stopped_by) == 1:
+            threading.Thread(target=stop_anyway, args=(signum,), daemon=True).start()
         raise KeyboardInterrupt
 
+    def stop_anyway(signum: int) -> None:
+        """The KeyboardInterrupt a signal raises can be lost (raised inside a finalizer, which Python reports and
+        drops): if the run has not wound down within a few seconds, end its workers and leave from here, with
+        what had finished in --json, marked incomplete."""
+        time.sleep(STOP_GRACE)
+        if returned:  # the run wound down by itself
+            return
+        for each in reporters:
+            runs = getattr(getattr(each, "config", None), "kvlab_runs", None)
+            process = getattr(getattr(runs, "server", None), "process", None)
+            if process is not None:
+                try:
+                    os.killpg(process.pid, signal.SIGKILL)
+                except (ProcessLookupError, PermissionError):
+                    pass
+        if args.json:
+            from checks.harness.report import to_json
+
+            results = [r for each in reporters for r in each.results]
+            seed = getattr(reporters[0].config, "kvlab_seed", None) if reporters else None
+            Path(args.json).write_text(json.dumps(to_json(results, seed, complete=False), indent=1))
+        print("./check.sh: interrupted; the workers were stopped"
+              f"{'; --json marks the run incomplete' if args.json else ''}", file=sys.stderr)
+        leave(128 + signum)
+
     previous = signal.signal(signal.SIGTERM, interrupted)
+    previous_int = signal.signal(signal.SIGINT, interrupted)
     RAN.append(True)  # from here on, an interruption is this function's to report (and --json its to write)
     try:
         for seed in seeds:
@@ -300,7 +330,9 @@ def run(selected, args, impls: list[str] | None = None, extra: list[str] = (), r
     except KeyboardInterrupt:  # a second Ctrl-C while pytest was already winding down
         codes[-1:] = [pytest.ExitCode.INTERRUPTED]
     finally:
+        returned.append(True)
         signal.signal(signal.SIGTERM, previous)
+        signal.signal(signal.SIGINT, previous_int)
         if own_server:
             from checks.conftest import KEPT
 
@@ -444,6 +476,7 @@ def reset(names: list[str], registry) -> int:
     return 0
 
 
+STOP_GRACE = 4.0  # seconds a signalled run has to wind down by itself before it is ended from a thread
 PARSED: list = []  # the command line, once parsed
 RAN: list = []  # set once `run` started
 

@@ -571,8 +571,8 @@ def test_the_sandbox_holds_what_a_submission_tries_on_the_machine(tmp_path):
     junit = tmp_path / "report.xml"
     text = PROBE.replace("{kit!r}", repr(str(ROOT))).replace("{port}", str(listener.getsockname()[1]))
     text = text.replace("{{", "{").replace("}}", "}")
-    code, out, scored, submission = grade(tmp_path, text, "--junit", str(junit), "-k", "toy",
-                                          env={"KVLAB_GRADER_SECRET": "s3cret-token-42"})
+    code, out, scored, submission = grade(tmp_path, text, "--junit", str(junit), "-k", "toy", "--time-limit", "60",
+                                          env={"KVLAB_GRADER_SECRET": "s3cret-token-42"})  # it writes 768 MiB, forks
     assert_graded_as_failed(code, out, scored)
     assert kit_fingerprint() == before, "the submission changed the kit"
     assert sorted(p.name for p in submission.iterdir()) == ["m01_rmsnorm.py"], "grade wrote into the submission"
