@@ -596,11 +596,22 @@ class ForkServer:
                 info["note"] = f"was stopped at {limit / 2**30:g} GiB of memory (the memory limit, --memory-limit)"
                 _kill(pid)
 
-    def strays(self) -> list[int]:
+    def strays(self, thorough: bool = False) -> list[int]:
         """Processes whose parent is this server but which it did not fork as workers: a worker's
-        children, orphaned and handed to this subreaper."""
-        found = []
+        children, orphaned and handed to this subreaper. Read from the kernel's list of this server's
+        children (a few lines, read every tick); `thorough` reads every process's parent instead (the
+        whole of /proc, once, as the server stops: the list can miss a child that forks as it is read)."""
         me = os.getpid()
+        if not thorough:
+            try:
+                found = set()
+                for thread in os.listdir(f"/proc/{me}/task"):
+                    with open(f"/proc/{me}/task/{thread}/children") as children:
+                        found.update(int(pid) for pid in children.read().split())
+                return [pid for pid in found if pid not in self.workers]
+            except (OSError, ValueError):
+                pass  # a kernel without the list: read every process's parent
+        found = []
         for entry in os.listdir("/proc"):
             if not entry.isdigit() or int(entry) in self.workers:
                 continue
@@ -626,7 +637,7 @@ class ForkServer:
         for pid in list(self.workers):
             _kill(pid)
         deadline = time.monotonic() + 5
-        while (self.workers or self.strays()) and time.monotonic() < deadline:
+        while (self.workers or self.strays(thorough=True)) and time.monotonic() < deadline:
             self.tend()
             time.sleep(0.005)
 
