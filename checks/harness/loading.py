@@ -288,6 +288,16 @@ def repair_bf16_dot() -> None:
     builder.create_dot = create_dot
 
 
+def preload_triton() -> None:
+    """Load what Triton imports at a kernel's first launch (specialising an argument loads its Gluon modules,
+    a fifth of a second), once in the fork server instead of in every worker. Nothing without Triton."""
+    try:
+        from triton.runtime.jit import mangle_type
+    except ImportError:
+        return
+    mangle_type(0)
+
+
 def one_config_per_kernel() -> None:
     """Under the checks, an autotuned kernel runs one config, the one with the smallest tiles (the likeliest
     to fit any GPU's shared memory), instead of timing every config of its `@triton.autotune` list on each

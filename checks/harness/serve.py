@@ -502,9 +502,10 @@ class ForkServer:
         if self.options.get("triton"):
             import triton  # noqa: F401 - imported once here, not in every worker
 
-            from .loading import one_config_per_kernel
+            from .loading import one_config_per_kernel, preload_triton
 
             one_config_per_kernel()
+            preload_triton()
 
             if os.environ.get("TRITON_INTERPRET") == "1":
                 from .loading import prepare_interpreter
