@@ -321,7 +321,8 @@ def run(selected, args, impls: list[str] | None = None, extra: list[str] = (), r
     RAN.append(True)  # from here on, an interruption is this function's to report (and --json its to write)
     try:
         for seed in seeds:
-            reporters.append(reporter or Reporter(None, render=True))
+            # --until-named (the self-tests' runs of the catalogue on more seeds, read from --json) prints no report
+            reporters.append(reporter or Reporter(None, render=not args.until_named))
             codes.append(pytest.ExitCode.INTERRUPTED)  # until pytest says otherwise
             seeded = pytest_args + (["--seed", str(seed)] if seed is not None else [])
             codes[-1] = pytest.main(seeded, plugins=[_Attach(reporters[-1])])
@@ -372,7 +373,7 @@ class _Attach:
 
     @__import__("pytest").hookimpl(tryfirst=True)
     def pytest_configure(self, config):
-        if self.reporter.render and config.pluginmanager.get_plugin("terminalreporter") is None:
+        if config.pluginmanager.get_plugin("terminalreporter") is None:
             # the report gives one-line reasons: pytest need not format a traceback for every failing case
             # (that formatting is half the time of a sweep over the mutants)
             config.option.tbstyle = "no"

@@ -2,7 +2,7 @@
 
 This is what makes a verdict trustworthy: "passed" cannot come from a known mistake (each is a mutant
 of the reference that some check rejects, by name), and "failed" cannot come from a correct rounding
-order (each variant passes under two seeds). Every mistake is rejected by its name on eight seeds.
+order (each variant passes under two seeds). Every mistake is rejected by its name on five seeds.
 """
 
 import pytest
