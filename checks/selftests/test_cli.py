@@ -39,9 +39,9 @@ def test_first_command_on_untouched_stub(kit_copy):
 
 
 def test_reference_passes_through_check_sh():
-    code, out = check_sh("m02", "--impl", "solutions")
+    code, out = check_sh("p02", "--impl", "solutions")  # p02: a module whose checks need no HF oracle (fast)
     assert code == 0, out
-    assert "All checks pass" in out and "Next: ./check.sh m03" in out  # the next module in the book's order
+    assert "All checks pass" in out and "Next: ./check.sh p03" in out  # the next module in the book's order
 
 
 def test_list_shows_every_module():
@@ -59,13 +59,13 @@ def test_unknown_module_and_missing_folder_are_usage_errors():
 def test_student_folder_is_checked_in_isolation_and_left_clean(tmp_path):
     student = tmp_path / "student"
     shutil.copytree(ROOT / "solutions", student)
-    source = (student / "m01_rmsnorm.py").read_text()
-    (student / "m01_rmsnorm.py").write_text(source.replace("keepdim=True)", "keepdim=True", 1))
-    code, out = check_sh("m01", "m02", "--impl", str(student), cwd=tmp_path)
+    source = (student / "p01_block_manager.py").read_text()
+    (student / "p01_block_manager.py").write_text(source.replace("def __len__(self) -> int:", "def __len__(self) -> int", 1))
+    code, out = check_sh("p01", "p02", "--impl", str(student), cwd=tmp_path)  # modules without HF oracles: fast
     assert code == 1
-    assert "SyntaxError" in out and "m01_rmsnorm.py line" in out
+    assert "SyntaxError" in out and "p01_block_manager.py line" in out
     assert out.count("SyntaxError") == 1 and re.search(r"none of the \d+ checks can run", out)  # once, not per check
-    assert "m02: 29 passed" in out or "m02:" in out and "failed" not in out.split("m02:")[1].splitlines()[0]
+    assert re.search(r"p02: \d+ passed", out) and "failed" not in out.split("p02:")[1].splitlines()[0]
     assert sorted(p.name for p in student.iterdir()) == sorted(p.name for p in (ROOT / "solutions").iterdir()
                                                                if p.suffix == ".py")
 
@@ -238,12 +238,12 @@ def workers_started(run: subprocess.Popen, at_least: int, timeout: float = 300) 
 # kind -> (signal, exit code, the run, how many workers it starts before the second module)
 SIGNALLED = {
     # the reference: p06's engine running in the worker when the signal comes
-    "run": ("SIGTERM", 143, ["m01", "p06", "--impl", "solutions"], 1),
+    "run": ("SIGTERM", 143, ["p02", "p06", "--impl", "solutions"], 1),
     # the catalogue: the checks' process replays mutants (Triton's interpreter) to name them, and a signal
     # there must not pass for a mutant's crash
     "mutants": ("SIGINT", 130, ["p02", "p04", "--impl", "mutants"], len(catalogue("p02_store_kvcache").mistakes)),
     # a grade: the score of what finished, every output saying it was cut short
-    "grade": ("SIGTERM", 143, ["grade", "solutions", "m01", "p06", "--no-sandbox"], 1),
+    "grade": ("SIGTERM", 143, ["grade", "solutions", "p02", "p06", "--no-sandbox"], 1),
     # a run still loading torch and the oracles: no check ran, and the files asked for say so
     "starting": ("SIGTERM", 143, ["grade", "solutions", "m01", "--no-sandbox"], None),
 }

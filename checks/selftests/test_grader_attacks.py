@@ -214,8 +214,8 @@ def add_rms_norm(x, residual, weight, eps):
         forge((("T", ["returned", node, None, ("D", []), ("D", []), ("D", []), None, ("L", []), 0]), []))
     """)), "not a reply"),
     "forges-one-blob-as-many-storages": (FORGE + attack("", both("""
-        blob = bytes(32 << 20)
-        tensors = [("X", i, "uint8", [32 << 20], [1], 0, "cpu") for i in range(200)]  # 6.4 GB if each were its own
+        blob = bytes(4 << 20)
+        tensors = [("X", i, "uint8", [4 << 20], [1], 0, "cpu") for i in range(200)]  # 800 MB if each were its own
         forge((("T", ["returned", ("L", tensors), None, ("D", []), ("D", []), ("D", []), None, ("L", []), 0]),
                [blob] * 200))
     """)), "not a reply"),
