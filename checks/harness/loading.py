@@ -293,9 +293,10 @@ def preload_triton() -> None:
     a fifth of a second), once in the fork server instead of in every worker. Nothing without Triton."""
     try:
         from triton.runtime.jit import mangle_type
-    except ImportError:
-        return
-    mangle_type(0)
+
+        mangle_type(0)
+    except Exception:  # noqa: BLE001 - another Triton: its workers load what they need themselves
+        pass
 
 
 def one_config_per_kernel() -> None:
