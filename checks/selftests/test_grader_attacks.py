@@ -264,7 +264,9 @@ def worker_attacks(tmp_path_factory):
     report = top / "results.json"
     started = time.monotonic()
     tag = run_tag()
-    code, out = check_sh("m01", *impls, "--time-limit", "2", "--json", str(report), env=tag)
+    # m01's checks but its HF sweeps (11 cases of 32): each attack meets the toys, the fp16, eps and untouched-input
+    # checks, and those that crash a worker start one per check
+    code, out = check_sh("m01", *impls, "-k", "not matches_hf", "--time-limit", "2", "--json", str(report), env=tag)
     seconds = time.monotonic() - started
     time.sleep(5)  # longer than the threads and children an attack leaves behind wait before they write
     return folders, code, out, json.loads(report.read_text()), seconds, marker, tag["KVLAB_RUN_TAG"]
