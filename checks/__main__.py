@@ -321,8 +321,8 @@ def run(selected, args, impls: list[str] | None = None, extra: list[str] = (), r
     RAN.append(True)  # from here on, an interruption is this function's to report (and --json its to write)
     try:
         for seed in seeds:
-            # --until-named (the self-tests' runs of the catalogue on more seeds, read from --json) prints no report
-            reporters.append(reporter or Reporter(None, render=not args.until_named))
+            # --named-first (the self-tests' runs of the catalogue on the later seeds, read from --json) prints no report
+            reporters.append(reporter or Reporter(None, render=not args.named_first))
             codes.append(pytest.ExitCode.INTERRUPTED)  # until pytest says otherwise
             seeded = pytest_args + (["--seed", str(seed)] if seed is not None else [])
             codes[-1] = pytest.main(seeded, plugins=[_Attach(reporters[-1])])

@@ -118,6 +118,8 @@ def test_broken_code_gets_a_one_line_reason(full_run, stem, broken):
 
 
 def test_report_never_shows_a_traceback(full_run):
+    missing = [m.id for m in modules() if f"{m.id}: " not in full_run.output]
+    assert not missing, f"no report was printed for {missing}"
     for marker in ("Traceback", "_pytest", 'File "'):
         assert marker not in full_run.output, f"the rendered report contains {marker!r}"
 
