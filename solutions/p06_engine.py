@@ -61,7 +61,7 @@ class SamplingParams:
     """How one request is sampled (given complete). The engine reads these attributes from any object.
 
     `temperature` 0 is greedy (the argmax); otherwise the logits are divided by it. `top_k` > 0 keeps
-    the k most likely tokens (0: all). `top_p` < 1 keeps the fewest most likely tokens whose
+    the tokens whose logit is at least the k-th largest (ties at the k-th value all stay; 0: all). `top_p` < 1 keeps the fewest most likely tokens whose
     probabilities reach p. `max_tokens` completion tokens at most; the request also stops at the
     engine's `eos_token_id` unless `ignore_eos`. `seed`: a request with a seed draws from its own
     generator, so its tokens do not depend on what else is in the batch.
