@@ -214,9 +214,17 @@ def print_hints(selected, level: int, lang: str) -> int:
         opened[module.stem] = sorted(set(seen) | {level})  # kept first: a reader may close the pipe early
         STATE.mkdir(exist_ok=True)
         HINTS.write_text(json.dumps(opened, indent=1))  # the book marks the levels opened
-        console.print(f"[bold]{module.id} · {module.title} · Hints L{level}[/]")
+        title = page.meta.get("title", module.title)  # in the page's own language
+        next_level = f"./check.sh {module.id} --hint {level + 1}"
+        if page.lang == "zh":
+            console.print(f"[bold]{module.id} · {title} · 提示 L{level}[/]")
+            console.print(Markdown(text))
+            more = next_level if level < 3 else "页面末尾的 Follow-ups"
+            console.print(f"[dim]整页：{page.path.relative_to(ROOT)}（或 ./check.sh book）。下一步：{more}。[/]")
+            continue
+        console.print(f"[bold]{module.id} · {title} · Hints L{level}[/]")
         console.print(Markdown(text))
-        more = f"./check.sh {module.id} --hint {level + 1}" if level < 3 else "the Follow-ups on the page"
+        more = next_level if level < 3 else "the Follow-ups on the page"
         console.print(f"[dim]The whole page: {page.path.relative_to(ROOT)} (or ./check.sh book). Next: {more}.[/]")
     return 0
 

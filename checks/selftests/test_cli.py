@@ -108,8 +108,8 @@ def test_only_whole_runs_count_as_progress_and_reset_forgets_it(kit_copy):
 def test_hints_in_the_terminal():
     code, out = check_sh("m01", "--hint", "2")
     assert code == 0 and "Hints L2" in out and "--hint 3" in out
-    code, out = check_sh("m02", "--hint", "1", "--lang", "zh")
-    assert code == 0 and "Hints L1" in out
+    code, out = check_sh("m02", "--hint", "1", "--lang", "zh")  # in Chinese from the header to the last line
+    assert code == 0 and "提示 L1" in out and "Hints" not in out and "下一步：./check.sh m02 --hint 2" in out
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU, --bench times for real")
