@@ -74,12 +74,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--watch", action="store_true",
                         help="stay running: check the module(s) again each time a file of your folder is saved")
     parser.add_argument("--until-named", action="store_true",
-                        help="with --impl mutants: stop checking a mutant once a check rejects it by its name (the "
-                             "kit's self-tests use it to try the catalogue on more seeds)")
-    parser.add_argument("--name-as-itself", action="store_true",
-                        help="with --impl mutants: replay a mutant's failing checks on that mutant only, until one "
-                             "names it, to ask whether it is named as itself (the kit's self-tests), not on the whole "
-                             "catalogue")
+                        help="with --impl mutants: stop checking a mutant once a check rejects it by its name, its "
+                             "failures replayed on that mutant only, not the whole catalogue (the kit's self-tests)")
     parser.add_argument("--named-first", metavar="RESULTS", action="append",
                         help="with --until-named: try each mutant first on the checks that named it in RESULTS (an "
                              "earlier run's --json)")
@@ -192,6 +188,11 @@ def watch(selected, args) -> int:
     return 0
 
 
+# --hint's own words, in the language of the page it prints: (the section's name, the last line, what follows L3)
+HINT_WORDS = {"en": ("Hints", "The whole page: {path} (or ./check.sh book). Next: {more}.", "the Follow-ups on the page"),
+              "zh": ("提示", "整页：{path}（或 ./check.sh book）。下一步：{more}。", "页面末尾的 Follow-ups")}
+
+
 def print_hints(selected, level: int, lang: str) -> int:
     """The page's `Hints L<level>` section in the terminal (and where the rest of the page is)."""
     from rich.console import Console
@@ -214,18 +215,12 @@ def print_hints(selected, level: int, lang: str) -> int:
         opened[module.stem] = sorted(set(seen) | {level})  # kept first: a reader may close the pipe early
         STATE.mkdir(exist_ok=True)
         HINTS.write_text(json.dumps(opened, indent=1))  # the book marks the levels opened
+        hints, footer, last = HINT_WORDS[page.lang]
         title = page.meta.get("title", module.title)  # in the page's own language
-        next_level = f"./check.sh {module.id} --hint {level + 1}"
-        if page.lang == "zh":
-            console.print(f"[bold]{module.id} · {title} · 提示 L{level}[/]")
-            console.print(Markdown(text))
-            more = next_level if level < 3 else "页面末尾的 Follow-ups"
-            console.print(f"[dim]整页：{page.path.relative_to(ROOT)}（或 ./check.sh book）。下一步：{more}。[/]")
-            continue
-        console.print(f"[bold]{module.id} · {title} · Hints L{level}[/]")
+        console.print(f"[bold]{module.id} · {title} · {hints} L{level}[/]")
         console.print(Markdown(text))
-        more = next_level if level < 3 else "the Follow-ups on the page"
-        console.print(f"[dim]The whole page: {page.path.relative_to(ROOT)} (or ./check.sh book). Next: {more}.[/]")
+        more = f"./check.sh {module.id} --hint {level + 1}" if level < 3 else last
+        console.print("[dim]" + footer.format(path=page.path.relative_to(ROOT), more=more) + "[/]")
     return 0
 
 
@@ -274,8 +269,6 @@ def run(selected, args, impls: list[str] | None = None, extra: list[str] = (), r
         pytest_args += ["--impl", label]
     if args.k:
         pytest_args += ["-k", args.k]
-    if args.name_as_itself:
-        pytest_args += ["--name-as-itself"]
     if args.until_named:
         pytest_args += ["--until-named"]
         for earlier in args.named_first or []:

@@ -63,11 +63,8 @@ def pytest_addoption(parser):
     group.addoption("--quiet-worker", action="store_true", help="drop what learner code prints")
     group.addoption("--shown", default=None, help="how reports name the checked folder (./check.sh grade)")
     group.addoption("--until-named", action="store_true",
-                    help="skip a mutant's remaining checks once one rejects it by its own name")
-    group.addoption("--name-as-itself", action="store_true",
-                    help="replay a catalogued mutant's failing checks on that mutant only, until one names it (is "
-                         "it named as itself?), not on the whole catalogue as a learner's failure is (implied by "
-                         "--until-named)")
+                    help="skip a mutant's remaining checks once one rejects it by its own name (its failures are "
+                         "replayed on that mutant only, not on the whole catalogue as a learner's are)")
     group.addoption("--named-first", metavar="RESULTS", action="append", default=None,
                     help="with --until-named: check each mutant first with the checks that named it in RESULTS "
                          "(an earlier run's --json), then with the rest")

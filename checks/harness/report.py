@@ -164,8 +164,7 @@ class Reporter:
         kind = getattr(item.module, "TOLERANCE_KIND", "elementwise")
         only = getattr(item.module, "NAMED_BY", {}).get(item.originalname)
         label = guarded.impl.label
-        if (self.config.getoption("--until-named", False) or self.config.getoption("--name-as-itself", False)) \
-                and label.startswith("mutant:"):
+        if self.config.getoption("--until-named", False) and label.startswith("mutant:"):
             # the question asked of a catalogued mutant here is only whether it is named as itself, and once a
             # check has said yes, the mutant's later failures need not be replayed to ask it again
             if label in self.named:

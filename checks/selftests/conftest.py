@@ -137,7 +137,7 @@ def start_runs(tmp_path_factory, stubs_folder: Path) -> dict[str, Started]:
     lanes = (tuple(i for i in stems if i not in laned),) + tuple(tuple(i for i in stems if i in lane) for lane in LANES)
     firsts = tuple(Started(tmp_path_factory.mktemp(f"full{n}"), "--seed", str(SEEDS[0]), "--impl", "solutions",
                            "--impl", str(stubs_folder), "--impl", "mutants", "--impl", "variants", "--impl", "crashes",
-                           "--name-as-itself", "--until-named", targets=lane) for n, lane in enumerate(lanes))
+                           "--until-named", targets=lane) for n, lane in enumerate(lanes))
     STARTED["full"] = firsts
     STARTED["hangs"] = Started(tmp_path_factory.mktemp("hangs"), "--seed", str(SEEDS[0]), "--time-limit",
                                str(HANG_LIMIT), "--impl", "hangs")
