@@ -12,6 +12,8 @@
                                         reference and torch
     ./check.sh grade DIR [MODULE ...] --gradescope results.json --junit report.xml
                                         grade a student's folder in a sandbox (instructors)
+    ./check.sh run --model DIR "prompt" your engine (or model) on a local Qwen3 checkpoint, text out
+                                        (./check.sh run --help)
 """
 
 import argparse
@@ -43,6 +45,11 @@ HINTS = STATE / "hints.json"  # the hint levels the learner opened in the termin
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["run"]:  # a command with options of its own
+        from checks.run import main as run_model
+
+        return run_model(argv[1:])
     parser = argparse.ArgumentParser(prog="./check.sh", description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter,
                                      epilog=__doc__.split("\n\n", 1)[1])
@@ -224,15 +231,11 @@ def print_hints(selected, level: int, lang: str) -> int:
     return 0
 
 
-NOT_SANDBOXED = ("./check.sh: {} runs as you, with your files and your network, as your own code in mine/ does: "
-                 "fine for your own folder. To check someone else's code, use ./check.sh grade FOLDER (sandboxed).")
-
-
 def run(selected, args, impls: list[str] | None = None, extra: list[str] = (), remember_results: bool = True,
         reporter=None) -> int:
     """Run the checks of `selected` in this process (the report is a pytest plugin); learner code runs
     in worker processes (checks/harness/worker.py). Exit status 0 only when every selected check passed."""
-    from checks.harness.loader import LoadError, named
+    from checks.harness.loader import NOT_SANDBOXED, LoadError, named
 
     impls = impls or args.impl or ["mine"]
     for label in impls:  # a folder that is not there is said before torch loads

@@ -16,7 +16,10 @@ from .loading import LoadError, Package
 
 ROOT = Path(__file__).resolve().parents[2]
 
-__all__ = ["ROOT", "Implementation", "LoadError", "display", "named"]
+__all__ = ["NOT_SANDBOXED", "ROOT", "Implementation", "LoadError", "display", "named"]
+# said whenever a folder other than mine/ runs outside `grade`
+NOT_SANDBOXED = ("./check.sh: {} runs as you, with your files and your network, as your own code in mine/ does: "
+                 "fine for your own folder. To check someone else's code, use ./check.sh grade FOLDER (sandboxed).")
 
 
 @dataclass(frozen=True)

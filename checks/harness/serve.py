@@ -317,6 +317,23 @@ class Worker:
         self.reply("returned", result, changed, states, data, dict(zip(writes, written)), refused, involved,
                    largest and largest.largest, codec=codec)  # `involved` again: their attributes as now
 
+    def do_text(self, action: str, *args) -> None:
+        """`./check.sh run`: load a checkpoint or generate with the learner's code (`textgen.py`)."""
+        from . import textgen
+
+        try:
+            if action == "load":
+                value = textgen.load(self.package, self.stem, *args)
+            else:
+                value = textgen.generate(*args)
+        except NotImplementedError as error:
+            self.reply("not-started", self.package.not_started(error, self.stem, textgen.RUNNING[0]))
+            return
+        except BaseException as error:  # noqa: BLE001 - exit(), KeyboardInterrupt too: the kit says what broke
+            self.reply("raised", f"`{textgen.RUNNING[0]}` raised {self.package.describe(error, self.stem)}")
+            return
+        self.reply("value", value)
+
     def run(self, action, what: str, owner=None) -> None:
         try:
             value = action()
