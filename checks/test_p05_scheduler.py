@@ -6,9 +6,9 @@ block bookkeeping (a full block is known by the whole prefix it ends: no hashing
 learner's scheduler on random request streams drawn by hypothesis. After every step the learner's state must
 equal the model's (the batch, waiting and running in order, the free list, every request's tokens, blocks and
 computed tokens) and keep what any correct scheduler keeps (one kind of work a step, the token budget and the
-sequence cap, free + used = all blocks, a used block's ref count equal to the requests holding it and no
-request holding a free one, blocks that cover each request's tokens, a block shared only by requests with the
-same prefix up to its end, no finished request holding blocks).
+sequence cap, a status that matches the request's queue, free + used = all blocks, a used block's ref count equal
+to the requests holding it and no request holding a free one, blocks that cover each request's tokens, a block
+shared only by requests with the same prefix up to its end, no finished request holding blocks).
 
 The scheduler sits on the learner's own p01 `BlockManager`; block ids and the free list's order are p01's
 contract, so a p01 that passes its checks is assumed here.
@@ -447,6 +447,9 @@ class Driver:
                 self.fail(f"{where}: block {block} is shared by {ids(name for name, _ in holders)}, which do not have "
                           f"the same full prefix up to its end")
         for name, seen in live.items():
+            queue, status = ("running", RUNNING) if name in running else ("waiting", WAITING)
+            if seen.status != status:
+                self.fail(f"{where}: {name} is in {queue} but its status is {seen.status!r}, expected {status!r}")
             if name in running:
                 need = -(-(len(seen.tokens) - 1) // self.size)  # every token but the last, sampled last step
                 if len(seen.table) != need:
@@ -734,7 +737,8 @@ def test_a_request_preempts_itself_only_when_no_other_is_left(impl):
 
 
 def test_preempted_requests_come_back_first_and_are_recomputed(impl):
-    """a preempted request goes first in waiting, with no blocks and 0 computed, and is recomputed (cache hits too)"""
+    """a preempted request goes first in waiting, with no blocks, 0 computed and its status waiting, and is recomputed
+    (cache hits too)"""
     d = Driver(impl, 4, 2, 4, 16)
     d.add(0, [1, 2], 5)
     d.add(1, [3], 5)
@@ -745,7 +749,8 @@ def test_preempted_requests_come_back_first_and_are_recomputed(impl):
     d.step()  # decode: A needs a block, preempts B, which goes in FRONT of C
     d.expect("after step 4: waiting", d.queue("waiting"), ["B", "C"])
     seen = d.request("B")
-    d.expect("after step 4: B's (block_table, num_computed_tokens)", (seen.table, seen.computed), ([], 0))
+    d.expect("after step 4: B's (block_table, num_computed_tokens, status)", (seen.table, seen.computed, seen.status),
+             ([], 0, WAITING))
     d.step()  # B needs 2 blocks, 1 free: decode [A 1], and A finishes
     d.step()  # B again: its first block [3, b1] is still cached: 2 computed, it costs 2
     d.expect_batch(6, [("B", 2)])

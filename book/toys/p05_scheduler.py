@@ -12,6 +12,8 @@ from book.i18n import T
 from book.toys import Cell, Field, Scenario, Step, Table, ToyDrift
 
 STATE = ("batch", "is_prefill", "finished", "waiting", "running", "free", "block_tables", "num_computed_tokens")
+# Shown beside the state, not stored in the toy file: it follows from the queues (waiting or running).
+STATUS = "status"
 LABELS = {
     "batch": T("batch (request num_scheduled_tokens)", "batch（请求 num_scheduled_tokens）"),
     "is_prefill": T("is_prefill", "is_prefill"),
@@ -21,6 +23,7 @@ LABELS = {
     "free": T("free list", "空闲链表"),
     "block_tables": T("block tables", "块表"),
     "num_computed_tokens": T("computed tokens", "已计算的 token 数"),
+    STATUS: T("status", "status"),
     "completions": T("completion tokens so far", "目前生成的 token"),
 }
 
@@ -45,7 +48,8 @@ def _per_request(values: dict) -> str:
 
 def replay(module, scenario: dict, upto: int | None = None) -> tuple[list[dict], dict]:
     """Run the scenario's steps (up to step `upto`) on a fresh `module.Scheduler`: per step the state the toy
-    file stores, and at the end (of the steps run) every request's completion tokens."""
+    file stores and every waiting or running request's status, and at the end (of the steps run) every request's
+    completion tokens."""
     scheduler = module.Scheduler(scenario["num_blocks"], scenario["block_size"], scenario["max_num_seqs"],
                                  scenario["max_num_batched_tokens"], scenario["eos_token_id"])
     requests, names, found = {}, {}, []
@@ -62,7 +66,8 @@ def replay(module, scenario: dict, upto: int | None = None) -> tuple[list[dict],
                       "running": [names[id(r)] for r in scheduler.running],
                       "free": list(scheduler.block_manager.free_block_ids),
                       "block_tables": {names[id(r)]: list(r.block_table) for r in live},
-                      "num_computed_tokens": {names[id(r)]: r.num_computed_tokens for r in live}})
+                      "num_computed_tokens": {names[id(r)]: r.num_computed_tokens for r in live},
+                      STATUS: {names[id(r)]: r.status for r in live}})
     completions = {name: list(r.token_ids[r.num_prompt_tokens :]) for name, r in requests.items()}
     return found, completions
 
@@ -80,8 +85,8 @@ def _fields(found: dict, completions: dict) -> list[Field]:
             "finished": _list(found["finished"]), "waiting": _list(found["waiting"]),
             "running": _list(found["running"]), "free": _list(found["free"]),
             "block_tables": _per_request(found["block_tables"]),
-            "num_computed_tokens": _per_request(found["num_computed_tokens"])}
-    return [*(Field(key, LABELS[key], text[key]) for key in STATE),
+            "num_computed_tokens": _per_request(found["num_computed_tokens"]), STATUS: _per_request(found[STATUS])}
+    return [*(Field(key, LABELS[key], text[key]) for key in (*STATE, STATUS)),
             Field("completions", LABELS["completions"], _per_request(completions))]
 
 
@@ -145,7 +150,11 @@ def _scenario_step(reference, n: int, scenario: dict) -> Step:
     found, completions = replay(reference, scenario)
     rows = []
     for step, got in zip(scenario["steps"], found, strict=True):
-        _same(got, {key: step[key] for key in got}, f"{scenario['name']} step {step['step']}")
+        where = f"{scenario['name']} step {step['step']}"
+        _same({key: got[key] for key in STATE}, {key: step[key] for key in STATE}, where)
+        queued = {name: "running" if name in got["running"] else "waiting" for name in got[STATUS]}
+        if got[STATUS] != queued:
+            raise ToyDrift(f"{where}: the reference's statuses {got[STATUS]} are not those of its queues, {queued}")
         kind = T("prefill", "prefill") if got["is_prefill"] else T("decode", "decode")
         tables = tuple(f"{name} {_list(table)} · {got['num_computed_tokens'][name]}"
                        for name, table in got["block_tables"].items()) or ("—",)

@@ -63,6 +63,15 @@ MISTAKES = [
                 "        self.block_manager.free(request)\n"),
     ),
     Mistake(
+        "preempt-keeps-status",
+        "preemption puts the request back in waiting but leaves its status RUNNING",
+        "A preempted request waits again: set its `status` back to WAITING in `preempt`, with its computed and "
+        "scheduled tokens back to 0. Whatever counts the running requests by their status (an engine's "
+        "statistics, a server's progress report) must not count one that holds no blocks.",
+        replace("        request.num_scheduled_tokens = 0\n        request.status = WAITING\n",
+                "        request.num_scheduled_tokens = 0\n"),
+    ),
+    Mistake(
         "cached-tokens-cost",
         "the cached prefix is counted (and computed again): a new request starts with 0 computed tokens",
         "After `allocate`, a request's computed tokens are its `num_cached_tokens`; its cost, and its "
