@@ -40,7 +40,7 @@ pytestmark = pytest.mark.m04
 TOLERANCE_KIND = "model"
 CPU = torch.device("cpu")
 # What `./check.sh grade` awards: a check's points, shared out over its cases (a module is worth the sum,
-# 43). An optional oracle's check (absent on most machines) is worth nothing.
+# 44). An optional oracle's check (absent on most machines) is worth nothing.
 POINTS = {
     "test_toy_mlp": 1,
     "test_toy_logits": 2,
@@ -57,6 +57,7 @@ POINTS = {
     "test_load_state_dict_keeps_bf16_and_reads_both_config_layouts": 3,
     "test_loaded_model_matches_hf": 3,
     "test_load_pretrained_reads_a_sharded_bf16_checkpoint": 2,
+    "test_load_pretrained_converts_to_the_dtype_asked": 1,
     "test_real_weights_match_hf": 0,
 }
 CONTRACTS = {
@@ -378,31 +379,52 @@ def test_loaded_model_matches_hf(impl, seed):
     expect_model_close(logits, case.logits, torch.float32, "logits of the loaded model")
 
 
+def saved_checkpoint(request, tmp_path, w: ModelWeights, **save_options) -> tuple[str, list]:
+    """HF's save_pretrained of `w`, in its own dtype, into a fresh checkpoint folder the worker can read: the
+    folder and its shards. The folder goes when the check's teardown does, after its report: naming a failure
+    replays the learner's load_pretrained(folder) on the mistake catalogue, which reads it again."""
+    from transformers.utils import logging as hf_logging
+
+    folder = checkpoint_folder(request, tmp_path)
+    request.addfinalizer(lambda: shutil.rmtree(folder, ignore_errors=True))
+    hf_logging.disable_progress_bar()  # no "Writing model shards" bar in the learner's report
+    hf_causal_lm(w, w.embed_tokens.dtype).save_pretrained(folder, **save_options)
+    for path in folder.iterdir():
+        path.chmod(0o644)  # safetensors writes 0600; under `grade` the worker runs as another user
+    return str(folder), sorted(folder.glob("*.safetensors"))
+
+
 def test_load_pretrained_reads_a_sharded_bf16_checkpoint(impl, seed, request, tmp_path):
     """load_pretrained reads a bf16 checkpoint that HF's save_pretrained wrote in several shards: HF's tensors"""
     gen = torch.Generator().manual_seed(seed)
     w = random_weights(gen, "L2-H4-KVH2-D16").to(torch.bfloat16)
-    folder = checkpoint_folder(request, tmp_path)
-    try:
-        from transformers.utils import logging as hf_logging
+    folder, shards = saved_checkpoint(request, tmp_path, w, max_shard_size="20KB")
+    assert len(shards) >= 2, f"save_pretrained wrote {len(shards)} shard(s): the check wants several"
+    loaded = impl.load_pretrained(folder, torch.bfloat16)
+    expected = hf_state_dict(w)
+    got = hf_state_dict(loaded)  # the loaded model's tensors under HF's names (read from the worker)
+    for hf_name, tensor in expected.items():
+        mine = got.get(hf_name)
+        if not isinstance(mine, torch.Tensor) or mine.dtype != torch.bfloat16 or not torch.equal(mine, tensor):
+            shown = f"{mine.dtype} {list(mine.shape)}" if isinstance(mine, torch.Tensor) else type(mine).__name__
+            raise Mismatch(f"`{attribute_path(hf_name)}` from {len(shards)} shards is {shown}, not HF's bf16 "
+                           f"{list(tensor.shape)} {hf_name}")
 
-        hf_logging.disable_progress_bar()  # no "Writing model shards" bar in the learner's report
-        hf_causal_lm(w, torch.bfloat16).save_pretrained(folder, max_shard_size="20KB")
-        for path in folder.iterdir():
-            path.chmod(0o644)  # safetensors writes 0600; under `grade` the worker runs as another user
-        shards = sorted(folder.glob("*.safetensors"))
-        assert len(shards) >= 2, f"save_pretrained wrote {len(shards)} shard(s): the check wants several"
-        loaded = impl.load_pretrained(str(folder), torch.bfloat16)
-        expected = hf_state_dict(w)
-        got = hf_state_dict(loaded)  # the loaded model's tensors under HF's names (read from the worker)
-        for hf_name, tensor in expected.items():
-            mine = got.get(hf_name)
-            if not isinstance(mine, torch.Tensor) or mine.dtype != torch.bfloat16 or not torch.equal(mine, tensor):
-                shown = f"{mine.dtype} {list(mine.shape)}" if isinstance(mine, torch.Tensor) else type(mine).__name__
-                raise Mismatch(f"`{attribute_path(hf_name)}` from {len(shards)} shards is {shown}, not HF's bf16 "
-                               f"{list(tensor.shape)} {hf_name}")
-    finally:
-        shutil.rmtree(folder, ignore_errors=True)
+
+def test_load_pretrained_converts_to_the_dtype_asked(impl, seed, request, tmp_path):
+    """load_pretrained converts every tensor to its dtype argument: a bf16 checkpoint asked for in float32"""
+    w = random_weights(torch.Generator().manual_seed(seed), "L2-H4-KVH2-D16").to(torch.bfloat16)
+    folder, _ = saved_checkpoint(request, tmp_path, w)  # one shard: the sharding is the check above's
+    loaded = impl.load_pretrained(folder, torch.float32)
+    got = hf_state_dict(loaded)  # the loaded model's tensors under HF's names (read from the worker)
+    for hf_name, tensor in hf_state_dict(w).items():
+        mine = got.get(hf_name)
+        if not isinstance(mine, torch.Tensor) or mine.dtype != torch.float32:
+            shown = mine.dtype if isinstance(mine, torch.Tensor) else type(mine).__name__
+            raise Mismatch(f"`{attribute_path(hf_name)}` is {shown}: load_pretrained(folder, torch.float32) on a "
+                           f"bf16 checkpoint must give every tensor in float32")
+        if not torch.equal(mine, tensor.float()):  # bf16 -> fp32 is exact
+            raise Mismatch(f"`{attribute_path(hf_name)}` is not HF's {hf_name} converted to float32")
 
 
 # ---- optional: real weights -----------------------------------------------------------------------
