@@ -27,6 +27,9 @@ ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / ".kvlab" / "results.json"
 ENGINES = {"p06": "p06_engine", "m04": "m04_qwen3_model"}
 PAGE = "exercises/m04_qwen3_model.md, \"Run it on a real model\""
+# Two runs of one model that differ only in rounding part where the best two logits lie within a few of the
+# dtype's steps (in bf16, 28 layers of rounding move a logit by several)
+NEAR_TIE_STEPS = 4
 
 
 class RunError(Exception):
@@ -241,7 +244,9 @@ def serve(args, impl, stem: str, folder: Path, ids: list[list[int]], stops: list
                 "max_tokens": args.max_tokens, "ignore_eos": False, "seed": args.seed}
     try:
         started = time.perf_counter()
-        loaded = run.exchange(("text", "load", str(folder), dtype, device, engine_config), "loading the model")[1]
+        threads = len(os.sched_getaffinity(0))
+        loaded = run.exchange(("text", "load", str(folder), dtype, device, engine_config, threads),
+                              "loading the model")[1]
         count = loaded["parameters"]
         size = f"{count / 1e9:.2f} B" if count >= 1e8 else f"{count / 1e6:.2f} M"
         print(f"loaded {loaded['layers']} layers, {size} parameters in "
@@ -293,10 +298,13 @@ def compare(folder: Path, ids: list[int], mine: list[int], stops: list[int], dty
     logits = out.logits[part][0].float()
     best = torch.topk(logits, 2).values
     margin = float(best[0] - best[1])
+    # one step of the dtype at HF's best logit: the spacing of representable values there
+    step = 2.0 ** (math.floor(math.log2(max(abs(float(best[0])), 1e-30))) - torch.finfo(getattr(torch, dtype)).nmant)
     print(f"\nThey part at output token {part}: yours {tokenizer.decode([mine[part]])!r} (id {mine[part]}), HF's "
           f"{tokenizer.decode([theirs[part]])!r} (id {theirs[part]}). HF's margin between its two best logits "
-          f"there: {margin:.4g}; your token's logit is {float(best[0] - logits[mine[part]]):.4g} below HF's best."
-          + (" A near-tie: in bf16, rounding decides it." if margin < 0.25 else ""))
+          f"there: {margin:.4g} ({margin / step:.3g} steps of {dtype} at {float(best[0]):.4g}); your token's logit is "
+          f"{float(best[0] - logits[mine[part]]):.4g} below HF's best."
+          + (f" A near-tie: {dtype} rounding decides it." if margin <= NEAR_TIE_STEPS * step else ""))
 
 
 def main(argv: list[str]) -> int:

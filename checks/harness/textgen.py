@@ -33,8 +33,9 @@ def parameters(model) -> int:
     return count
 
 
-def load(package, stem: str, folder: str, dtype: str, device: str, engine_config: dict) -> dict:
+def load(package, stem: str, folder: str, dtype: str, device: str, engine_config: dict, threads: int) -> dict:
     torch_dtype, torch_device = getattr(torch, dtype), torch.device(device)
+    torch.set_num_threads(threads)  # the checks' tiny tensors run on one; a real model wants every core
     model_module = package.load("m04_qwen3_model")
     learner("load_pretrained")
     model = model_module.load_pretrained(folder, torch_dtype)
