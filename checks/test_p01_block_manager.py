@@ -202,6 +202,10 @@ def invariant_problem(state: State, live: dict, holds: dict, block_size: int) ->
             return f"{name} has num_cached_tokens {cached} of {length} tokens (a multiple of {block_size}, < len)"
         if length % block_size and state.refs[table[-1]] != 1:
             return f"{name}'s partial last block {table[-1]} is shared, so its free slots have two writers"
+        if length % block_size and (state.hashes[table[-1]] != -1 or state.full[table[-1]]):
+            held = " and a full token_ids" if state.full[table[-1]] else ""
+            return f"{name}'s partial last block {table[-1]} has hash {state.hashes[table[-1]]}{held}, expected -1 " \
+                   f"and no tokens until it is full"
         for p in range(length):
             prefix = tuple(seq.token_ids[: p + 1])
             if holds.get(slot(table, p, block_size)) != prefix:
@@ -571,24 +575,29 @@ def test_free_empties_the_sequence_and_it_can_be_allocated_again(impl):
 
 
 def test_a_partial_block_has_no_hash_and_no_tokens(impl):
-    """a block that is not full has hash -1, token_ids [] and no cache entry; it gets all three once an append
-    fills it"""
-    manager = impl.BlockManager(4, 4)
+    """a block that is not full has hash -1, token_ids [] and no cache entry, also one taken from the free list
+    that held another prompt's full block; it gets all three once an append fills it"""
+    manager = impl.BlockManager(3, 4)
+    used = impl.Sequence(list(range(11, 23)), 4)
+    manager.allocate(used)  # blocks 0, 1, 2: full, each with its hash and tokens
+    manager.free(used)  # free list [2, 1, 0]: each block keeps its hash and tokens
     seq = impl.Sequence([1, 2, 3, 4, 5, 6], 4)
-    manager.allocate(seq)  # block 0 full, block 1 holds 2 tokens
-    for tokens, expect_full in (([], False), ([7], False), ([8], True)):
+    manager.allocate(seq)  # block 2 takes [1, 2, 3, 4]; block 1, which held [15 .. 18], now holds [5, 6]
+    # (tokens appended, the sequence's block to read, whether it is full then): 9 opens block 0, which held [11 .. 14]
+    for tokens, j, expect_full in (([], 1, False), ([7], 1, False), ([8], 1, True), ([9], 2, False)):
         for token in tokens:
             manager.append(seq, token)
-        block = manager.blocks[seq.block_table[1]]
+        block_id = seq.block_table[j]
+        block = manager.blocks[block_id]
         entries = dict(manager.hash_to_block_id)
-        what = f"with {len(seq)} tokens (block 1 holds {len(seq) - 4})"
+        what = f"with {len(seq)} tokens, block {block_id} (the sequence's block {j}) holding {len(seq) - 4 * j}"
         if not expect_full and (block.hash != -1 or list(block.token_ids) or -1 in entries
-                                or seq.block_table[1] in entries.values()):
+                                or block_id in entries.values()):
             raise Mismatch(f"{what}: the partial block has hash {block.hash} and token_ids {list(block.token_ids)}"
-                           f"{' and a cache entry' if seq.block_table[1] in entries.values() else ''}; expected "
+                           f"{' and a cache entry' if block_id in entries.values() else ''}; expected "
                            f"-1, [] and none")
         if expect_full and (block.hash == -1 or list(block.token_ids) != [5, 6, 7, 8]
-                            or entries.get(block.hash) != seq.block_table[1]):
+                            or entries.get(block.hash) != block_id):
             raise Mismatch(f"{what}: the block just filled has hash {block.hash} and token_ids "
                            f"{list(block.token_ids)}; expected its chained hash, [5, 6, 7, 8], and a cache entry")
 

@@ -46,6 +46,13 @@ MISTAKES = [
         ),
     ),
     Mistake(
+        "taken-block-keeps-hash",
+        "a block taken from the free list for new tokens keeps the hash and token ids it had",
+        "A block taken for new tokens (by allocate or append) starts over: besides dropping its cache entry, set "
+        "its hash to -1 and its token_ids to [] until it is full again, or a partial block claims the old prefix.",
+        replace("        block.ref_count, block.hash, block.token_ids = 1, -1, []\n", "        block.ref_count = 1\n"),
+    ),
+    Mistake(
         "no-token-check",
         "a cache hit accepted on the hash alone",
         "Compare the cached block's token_ids with the new block's before sharing it: two different blocks can have the same hash.",
