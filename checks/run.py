@@ -299,7 +299,7 @@ def compare(folder: Path, ids: list[int], mine: list[int], stops: list[int], dty
     best = torch.topk(logits, 2).values
     margin = float(best[0] - best[1])
     # one step of the dtype at HF's best logit: the spacing of representable values there
-    step = 2.0 ** (math.floor(math.log2(max(abs(float(best[0])), 1e-30))) - torch.finfo(getattr(torch, dtype)).nmant)
+    step = 2.0 ** math.floor(math.log2(max(abs(float(best[0])), 1e-30))) * torch.finfo(getattr(torch, dtype)).eps
     print(f"\nThey part at output token {part}: yours {tokenizer.decode([mine[part]])!r} (id {mine[part]}), HF's "
           f"{tokenizer.decode([theirs[part]])!r} (id {theirs[part]}). HF's margin between its two best logits "
           f"there: {margin:.4g} ({margin / step:.3g} steps of {dtype} at {float(best[0]):.4g}); your token's logit is "
@@ -321,7 +321,9 @@ def main(argv: list[str]) -> int:
         engine, why = choose_engine(args, impl)
         import torch
 
-        device = "cuda" if torch.cuda.is_available() and engine == "p06" else "cpu"  # m04 is written for the CPU
+        # m04 is written for the CPU; p06 serves on a GPU unless Triton is told to interpret (as the self-tests do)
+        interpreted = os.environ.get("TRITON_INTERPRET") == "1"
+        device = "cuda" if torch.cuda.is_available() and engine == "p06" and not interpreted else "cpu"
         if device == "cpu":
             os.environ.setdefault("TRITON_INTERPRET", "1")  # before a kernel is decorated, in the worker too
         # p03's kernel takes 16-bit floats (tensor cores); m04 runs in float32 on the CPU unless told otherwise

@@ -59,6 +59,12 @@ def test_m04_float32_text_is_hf_generate_token_for_token(checkpoint, capsys):
     assert f"prompt {len(ids)} tokens · output {len(expected)} tokens · first token after" in out
     assert "tokens/s" in out.splitlines()[out.splitlines().index("── Hugging Face generate (greedy, same weights) ──")
                                           - 2]
+    # a text that parts from HF's: where, both tokens, and HF's margin there in steps of the dtype
+    other = next(t for t in range(len(tokenizer)) if t != expected[3])
+    run_command.compare(folder, ids, expected[:3] + [other], [], "float32", "cpu", tokenizer, NEW)
+    said = capsys.readouterr().out
+    assert f"They part at output token 3: yours {tokenizer.decode([other])!r} (id {other}), HF's" in said, said
+    assert "steps of float32 at" in said and "A near-tie" not in said  # float32 on one machine: no tie
 
 
 def test_p06_bf16_engine_agrees_with_hf_until_a_bf16_near_tie(checkpoint, capsys):
