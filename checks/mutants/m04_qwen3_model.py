@@ -75,6 +75,14 @@ MISTAKES = [
                 'tensors = {name: state_dict[f"{prefix}self_attn.{name}.weight"].float() for name in _ATTENTION}'),
     ),
     Mistake(
+        "pretrained-dtype-ignored",
+        "load_pretrained ignores its dtype argument: every tensor keeps the checkpoint's dtype",
+        "Convert each tensor to the dtype asked as you read it (`t.to(dtype)`): Qwen3's checkpoints are bf16, and "
+        "a caller that asks for float32 (to compare with HF in fp32, or to run on a CPU) must get float32.",
+        replace("state_dict.update({name: t.to(dtype) for name, t in load_file(shard).items()})",
+                "state_dict.update(load_file(shard))"),
+    ),
+    Mistake(
         "embeddings-scaled",
         "the embeddings multiplied by sqrt(hidden), as Gemma does",
         "Qwen3 feeds the embedding rows to the first layer as they are; only some other families scale them.",
