@@ -12,6 +12,10 @@
                                         reference and torch
     ./check.sh grade DIR [MODULE ...] --gradescope results.json --junit report.xml
                                         grade a student's folder in a sandbox (instructors)
+    ./check.sh autograder OUT.zip [MODULE ...]
+                                        a Gradescope autograder (setup.sh, run_autograder, the kit)
+    ./check.sh grade-class SUBMISSIONS --out DIR [-j N] [MODULE ...]
+                                        grade a whole class, N students at a time: scores.csv and class.html
     ./check.sh run --model DIR "prompt" your engine (or model) on a local Qwen3 checkpoint, text out
                                         (./check.sh run --help)
 """
@@ -46,10 +50,18 @@ HINTS = STATE / "hints.json"  # the hint levels the learner opened in the termin
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    if argv[:1] == ["run"]:  # a command with options of its own
+    if argv[:1] == ["run"]:  # commands with options of their own
         from checks.run import main as run_model
 
         return run_model(argv[1:])
+    if argv[:1] == ["autograder"]:
+        from checks.autograder import main as autograder
+
+        return autograder(argv[1:])
+    if argv[:1] == ["grade-class"]:
+        from checks.grade_class import main as grade_class
+
+        return grade_class(argv[1:])
     parser = argparse.ArgumentParser(prog="./check.sh", description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter,
                                      epilog=__doc__.split("\n\n", 1)[1])
@@ -70,6 +82,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--junit", metavar="FILE", help="with grade: write JUnit XML to FILE")
     parser.add_argument("--no-sandbox", action="store_true",
                         help="with grade: run the submission without bubblewrap (every output says so)")
+    parser.add_argument("--worker-user", metavar="USER",
+                        help="with grade --no-sandbox, as root: run the submission as USER (e.g. nobody), who cannot "
+                             "read the kit")
+    parser.add_argument("--points", action="append", metavar="MODULE=N",
+                        help="with grade: what a module is worth (its checks scaled to N points in all)")
+    parser.add_argument("--visibility", default="visible",
+                        choices=("visible", "hidden", "after_due_date", "after_published"),
+                        help="with grade --gradescope: when students see the results (Gradescope's visibility)")
     parser.add_argument("--hint", type=int, nargs="?", const=0, choices=(1, 2, 3), metavar="N",
                         help="print the module's next unopened hint level, or level N (1: a nudge, 2: the pitfalls, "
                              "3: nearly the code); the book marks the levels you opened")

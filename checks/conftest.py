@@ -58,6 +58,8 @@ def pytest_addoption(parser):
     group.addoption("--fixture-folder", default=None, metavar="DIR",
                     help="with --sandbox: a folder only the grader writes, where checks put files for the worker "
                          "to read (a checkpoint); read-only in the sandbox")
+    group.addoption("--worker-uid", type=int, default=None, metavar="UID",
+                    help="without --sandbox, as root: the user id the workers run as (./check.sh grade --worker-user)")
     group.addoption("--cgroup", default=None, metavar="DIR",
                     help="with --sandbox: the memory cgroup the sandbox runs in (./check.sh grade makes it)")
     group.addoption("--quiet-worker", action="store_true", help="drop what learner code prints")
@@ -95,7 +97,7 @@ def pytest_configure(config):
                     memory_limit=int(config.getoption("--memory-limit") * 2**30),
                     sandbox=Sandbox(Path(sandbox), fixtures and Path(fixtures),
                                     cgroup and Cgroup.at(cgroup)) if sandbox else None,
-                    quiet=config.getoption("--quiet-worker"))
+                    quiet=config.getoption("--quiet-worker"), worker_uid=config.getoption("--worker-uid"))
         if not all("selftests" in a for a in map(str, config.args)):  # the kit's self-tests check no module here
             runs.start()
         if keep:

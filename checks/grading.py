@@ -20,10 +20,14 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from checks.harness.limits import make_for_sandbox
-from checks.harness.modules import find
+from checks.harness.modules import find, modules
 
 SANDBOX_OFF = ("graded WITHOUT the sandbox (--no-sandbox): the submission ran with the grader's own "
                "file system, network and user; a hostile submission could change its score")
+WORKER_USER_ONLY = ("graded without the sandbox (--no-sandbox --worker-user {}): the submission ran as that user, "
+                    "under the worker's time, memory and process limits, unable to read what only the grader's user "
+                    "may read (the kit, its solutions, the results), but with the machine's network and shared "
+                    "folders")
 
 
 @dataclass
@@ -89,7 +93,17 @@ MEMORY_UNCOUNTED = ("memory: no memory cgroup here ({}): the worker's limit coun
 INTERRUPTED = "interrupted (Ctrl-C or SIGTERM) before the end: the checks that never ran are missing from this score"
 
 
-def gradescope(checks: list[Check], seconds: float, notices: list[str], seed: int) -> dict:
+def scale(checks: list[Check], points: dict[str, float]) -> None:
+    """Make each module in `points` (stem -> points) worth that much: its checks' points in proportion."""
+    for stem, wanted in points.items():
+        mine = [c for c in checks if c.module == stem]
+        declared = sum(c.points for c in mine)
+        for c in mine:
+            c.points = round(c.points * wanted / declared, 4) if declared else 0.0
+
+
+def gradescope(checks: list[Check], seconds: float, notices: list[str], seed: int,
+               visibility: str = "visible") -> dict:
     """Gradescope's autograder results.json: one test per check, with its score and its reasons."""
     tests = []
     for number, check in enumerate(checks, 1):
@@ -101,7 +115,7 @@ def gradescope(checks: list[Check], seconds: float, notices: list[str], seed: in
             "max_score": check.points,
             "status": check.status,
             "output": check.output(),
-            "visibility": "visible",
+            "visibility": visibility,
             "tags": [module.id if module else check.module],
         })
     summary = score_lines(checks, notices)
@@ -109,7 +123,7 @@ def gradescope(checks: list[Check], seconds: float, notices: list[str], seed: in
         "score": round(sum(c.score for c in checks), 2),
         "execution_time": round(seconds, 1),
         "output": "\n".join(summary + [f"seed {seed} (./check.sh MODULE --seed {seed} replays it)"]),
-        "visibility": "visible",
+        "visibility": visibility,
         "stdout_visibility": "hidden",
         "tests": tests,
     }
@@ -140,11 +154,13 @@ def junit(results: list, notices: list[str]) -> bytes:
 
 
 def write_outputs(results: list, seconds: float, notices: list[str], seed: int, gradescope_file: str | None,
-                  junit_file: str | None) -> list[Check]:
+                  junit_file: str | None, points: dict[str, float] | None = None,
+                  visibility: str = "visible") -> list[Check]:
     checks = checks_of(results)
+    scale(checks, points or {})
     if gradescope_file:
         with open(gradescope_file, "w", encoding="utf-8") as out:
-            json.dump(gradescope(checks, seconds, notices, seed), out, indent=1)
+            json.dump(gradescope(checks, seconds, notices, seed, visibility), out, indent=1)
     if junit_file:
         with open(junit_file, "wb") as out:
             out.write(junit(results, notices))
@@ -188,6 +204,28 @@ def grade(args, registry, run) -> int:
             return 2
         selected.append(module)
     sandboxed = not args.no_sandbox
+    points = {}
+    for item in args.points or []:
+        name, _, value = item.partition("=")
+        module = registry.find(name)
+        try:
+            points[module.stem] = float(value)
+        except (AttributeError, ValueError):
+            print(f"./check.sh grade: --points {item}: give MODULE=N, e.g. --points m02=40", file=sys.stderr)
+            return 2
+    worker_uid = None
+    if args.worker_user:
+        import pwd
+
+        try:
+            worker_uid = pwd.getpwnam(args.worker_user).pw_uid
+        except KeyError:
+            print(f"./check.sh grade: --worker-user {args.worker_user}: no such user", file=sys.stderr)
+            return 2
+        if sandboxed or os.getuid() != 0:
+            print("./check.sh grade: --worker-user goes with --no-sandbox, run as root (the sandbox has its own "
+                  "user)", file=sys.stderr)
+            return 2
     problem = sandbox_problem() if sandboxed else None
     if problem:
         print(f"./check.sh grade: {problem}. Grading without it lets a submission reach the grader's files; "
@@ -195,13 +233,17 @@ def grade(args, registry, run) -> int:
         return 2
     shown = str(submission).rstrip("/") or "."
     started = time.perf_counter()
-    notices = [] if sandboxed else [SANDBOX_OFF]
+    notices = [] if sandboxed else [WORKER_USER_ONLY.format(args.worker_user) if worker_uid is not None
+                                    else SANDBOX_OFF]
     with private_folder("kvlab-grade-") as (temp, also_remove):
         copy, fixtures = Path(temp) / "submission", Path(temp) / "fixtures"
         for note in copy_submission(submission, copy):
             print(f"./check.sh grade: {note}", file=sys.stderr)
         fixtures.mkdir(mode=0o755)
         extra = ["--shown", shown, "--quiet-worker"]
+        if worker_uid is not None:  # the worker's user reads the copy (and only it) in this private folder
+            os.chmod(temp, 0o711)
+            extra += ["--worker-uid", str(worker_uid)]
         if sandboxed:
             extra += ["--sandbox", str(copy), "--fixture-folder", str(fixtures)]
             cgroup, why_not = make_for_sandbox(Path(temp).name, int(args.memory_limit * 2**30))
@@ -216,7 +258,7 @@ def grade(args, registry, run) -> int:
     if code >= 128:  # stopped by a signal: what finished is scored, and every output says so
         notices.append(INTERRUPTED)
     checks = write_outputs(reporter.results, seconds, notices, getattr(reporter.config, "kvlab_seed", 0),
-                           args.gradescope, args.junit)
+                           args.gradescope, args.junit, points, args.visibility)
     print()
     for line in score_lines(checks, notices):
         print(line)
@@ -224,6 +266,21 @@ def grade(args, registry, run) -> int:
         if path:
             print(f"{kind}: {path}")
     return code
+
+
+def module_folder(submission: Path) -> Path | None:
+    """Where a submission's module files are: the folder itself, or its one subfolder that holds them (an
+    upload nested one level: `alice/mine/m01_rmsnorm.py`); None when neither holds any module file."""
+    names = {f"{m.stem}.py" for m in modules()}
+
+    def holds(folder: Path) -> bool:
+        return any((folder / name).is_file() for name in names)
+
+    if holds(submission):
+        return submission
+    inner = [d for d in sorted(submission.iterdir()) if d.is_dir() and not d.name.startswith((".", "__"))
+             and holds(d)] if submission.is_dir() else []
+    return inner[0] if len(inner) == 1 else None
 
 
 MAX_SUBMISSION = 64 << 20  # bytes of a submission's files that are copied to grade (module files weigh kilobytes)

@@ -259,8 +259,9 @@ class Runs:
     """Every module run of this pytest session, over one fork server."""
 
     def __init__(self, *, triton: bool, cuda: bool, memory_limit: int = DEFAULT_MEMORY_LIMIT,
-                 sandbox: Sandbox | None = None, quiet: bool = False):
-        self.server = ForkServer(triton=triton, cuda=cuda, memory_limit=memory_limit, sandbox=sandbox, quiet=quiet)
+                 sandbox: Sandbox | None = None, quiet: bool = False, worker_uid: int | None = None):
+        self.server = ForkServer(triton=triton, cuda=cuda, memory_limit=memory_limit, sandbox=sandbox, quiet=quiet,
+                                 worker_uid=worker_uid)
         self.runs: dict[tuple[str, str], ModuleRun] = {}
 
     def start(self) -> None:

@@ -176,9 +176,11 @@ class ForkServer:
     """The process that forks workers. Started once per run, in the background; `spawn` waits for it."""
 
     def __init__(self, *, triton: bool, cuda: bool, memory_limit: int = DEFAULT_MEMORY_LIMIT,
-                 sandbox: Sandbox | None = None, quiet: bool = False):
+                 sandbox: Sandbox | None = None, quiet: bool = False, worker_uid: int | None = None):
         self.triton, self.cuda, self.memory_limit = triton, cuda, memory_limit
         self.sandbox = sandbox  # None: no sandbox
+        # the user a worker becomes (root's server only): always `nobody` in the sandbox; without it, where asked
+        self.worker_uid = UNPRIVILEGED if sandbox is not None else worker_uid
         self.quiet = quiet
         self.process: subprocess.Popen | None = None
         self.control: socket.socket | None = None
@@ -192,7 +194,7 @@ class ForkServer:
     def start(self) -> None:
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         options = {"control_fd": theirs.fileno(), "triton": self.triton, "cuda": self.cuda,
-                   "memory_limit": self.memory_limit, "uid": UNPRIVILEGED if self.sandboxed else None,
+                   "memory_limit": self.memory_limit, "uid": self.worker_uid,
                    "populate": [SOURCE, str(self.sandbox.submission)] if self.sandboxed else None}
         if self.forks_from_here():
             self.process = Forked.start(theirs, options, self.quiet)
