@@ -325,8 +325,6 @@ def write_report(out: Path) -> list[Path]:
     if not (out / "book" / "index.html").is_file():  # the pages do not depend on the grades: built once
         with open(os.devnull, "w") as quiet, contextlib.redirect_stdout(quiet):
             build_book(str(out / "book"))
-    try:
-        from book.class_report import write_class_report
-    except ImportError:
-        return []
+    from book.class_report import write_class_report
+
     return write_class_report(out, "book")
