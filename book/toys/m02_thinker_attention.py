@@ -155,7 +155,7 @@ def walkthrough(reference, toy: dict) -> list[Step]:
             start += out.shape[0]
     feedings = Table.of("feedings", [T("run", "调用方式"), T("past", "past"),
                                      T("rows returned", "返回的行"), T("len(cache) after", "调用后 len(cache)"),
-                                     T("cache.k chunks", "cache.k 的块"), T("= whole", "与整段一致")],
+                                     T("cache.k chunks", "cache.k 的分块"), T("= whole", "与整段一致")],
                         feeding_rows)
 
     norm_text = T(f"QK-norm divides each head of q and k by its own RMS (eps = {number(w.eps)}); here "

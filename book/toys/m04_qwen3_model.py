@@ -182,7 +182,7 @@ PROBE_CASE = T("a random model like the checks' (2 layers, H = 4, KVH = 2, D = 8
                "and to generate_greedy in chunks of 4)",
                "和检查里一样的随机模型（2 层、H = 4、KVH = 2、D = 8、hidden 16、I = 24、V = 32、rope_theta = 10⁶，"
                "attention 和 MLP 都在起作用；6 个 token 的 prompt 一次喂入、分 4 + 2 再加一步 decode 喂入，"
-               "以及按每块 4 个 token 交给 generate_greedy）")
+               "以及按 4 个 token 分块交给 generate_greedy）")
 
 
 def _probe_model(module, tensors: dict, layers: int, spec: dict):

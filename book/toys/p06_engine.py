@@ -169,7 +169,7 @@ PROBE_CASE = T("runs like the checks' (a seeded request served by LLM.generate w
                "prompt in chunks of 3, 3 and 1, and of 64, in one piece, on a stand-in model whose logits depend only "
                "on the last token)",
                "和检查里一样的运行（用 LLM.generate 服务一个带 seed 的请求，token 预算分别为 3，7 个 token 的 prompt "
-               "切成 3、3、1 三块，以及 64，一次算完；模型换成一个 logits 只取决于最后一个 token 的替身）")
+               "分成 3、3、1 三个分块，以及 64，一次算完；模型换成一个 logits 只取决于最后一个 token 的替身）")
 
 VOCAB = 6
 PROMPT = [1, 2, 3, 4, 5, 0, 2]
