@@ -24,7 +24,7 @@ from checks.harness.guard import Guarded, Runs
 from checks.harness.limits import Cgroup
 from checks.harness.loader import Implementation, named
 from checks.harness.mistakes import catalogue
-from checks.harness.report import Reporter
+from checks.harness.report import Reporter, check_title
 from checks.harness.worker import DEFAULT_MEMORY_LIMIT, Sandbox
 
 sys.dont_write_bytecode = True  # sibling imports in a checked folder must not leave __pycache__ there
@@ -124,10 +124,14 @@ class _CloseRuns:
             self.runs.close()
 
 
+@pytest.hookimpl(tryfirst=True)  # before pytest's own -k selection reads the keywords
 def pytest_collection_modifyitems(config, items):
-    """With --until-named --named-first: each mutant's checks together, the ones that named it in the earlier
+    """-k matches the titles the report shows (a check's docstring), besides its test function's name. With
+    --until-named --named-first: each mutant's checks together, the ones that named it in the earlier
     run first. The verdict asked for is the same (named by some check on this seed); the checks that rarely
     name it run only when the likely ones did not."""
+    for item in items:
+        item.extra_keyword_matches.add(check_title(item))
     earlier = config.getoption("--named-first", None)
     if not (earlier and config.getoption("--until-named")):
         return

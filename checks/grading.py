@@ -252,7 +252,7 @@ def grade(args, registry, run) -> int:
             else:
                 also_remove(cgroup.path)
                 extra += ["--cgroup", str(cgroup.path)]
-        reporter = Reporter(None, render=True)
+        reporter = Reporter(None, render=True, next_steps=False)
         code = run(selected, args, impls=[str(copy)], extra=extra, remember_results=False, reporter=reporter)
     seconds = time.perf_counter() - started
     if code >= 128:  # stopped by a signal: what finished is scored, and every output says so

@@ -322,11 +322,11 @@ def main(argv: list[str]) -> int:
         engine, why = choose_engine(args, impl)
         import torch
 
-        # m04 is written for the CPU; p06 serves on a GPU unless Triton is told to interpret (as the self-tests do)
+        # m04 is written for the CPU (and needs no Triton); p06 serves on a GPU unless Triton is told to interpret
+        if engine == "p06" and not torch.cuda.is_available():
+            os.environ.setdefault("TRITON_INTERPRET", "1")  # before a kernel is decorated, in the worker too
         interpreted = os.environ.get("TRITON_INTERPRET") == "1"
         device = "cuda" if torch.cuda.is_available() and engine == "p06" and not interpreted else "cpu"
-        if device == "cpu":
-            os.environ.setdefault("TRITON_INTERPRET", "1")  # before a kernel is decorated, in the worker too
         # p03's kernel takes 16-bit floats (tensor cores); m04 runs in float32 on the CPU unless told otherwise
         dtype = args.dtype or ("bfloat16" if engine == "p06" else "float32")
         tokenizer = load_tokenizer(folder)

@@ -242,8 +242,10 @@ def test_toy_layer_on_two_ranks(impl):
 
 # ---- sharding ------------------------------------------------------------------------------------------
 
+RANK_IDS = lambda tp: f"{tp}-ranks" if tp > 1 else "1-rank"  # noqa: E731 - a case reads "2-ranks", not a bare "2"
 
-@pytest.mark.parametrize("tp", [1, 2, 4])
+
+@pytest.mark.parametrize("tp", [1, 2, 4], ids=RANK_IDS)
 def test_column_row_and_merged_shards(impl, gen, tp):
     """column_shard, row_shard and merged_column_shard give every rank its block, exactly; a size the world
     does not divide raises ValueError"""
@@ -276,7 +278,7 @@ def expect_value_error(call, what: str) -> None:
     raise Mismatch(f"{what} returned a result instead of raising ValueError")
 
 
-@pytest.mark.parametrize("tp", [2, 4])
+@pytest.mark.parametrize("tp", [2, 4], ids=RANK_IDS)
 def test_shard_layer_matches_the_definition(impl, gen, tp):
     """shard_layer gives every rank its q, k and v heads, its gate and up features, its o_proj and down_proj
     columns, the shared norms and its own head counts"""
@@ -315,7 +317,7 @@ def test_shard_model(impl, gen):
 # ---- the vocabulary, split ----------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("tp", [2, 4])
+@pytest.mark.parametrize("tp", [2, 4], ids=RANK_IDS)
 def test_vocab_parallel_embedding(impl, gen, tp):
     """every rank gets the embedding of every id, whichever rank's block holds it (block edges included)"""
     w = random_weights(gen, "H8-KVH4")
@@ -327,7 +329,7 @@ def test_vocab_parallel_embedding(impl, gen, tp):
     on_every_rank(out, w.embed_tokens[ids], tolerance("model", torch.float32), f"the embeddings of ids {ids.tolist()}")
 
 
-@pytest.mark.parametrize("tp", [2, 4])
+@pytest.mark.parametrize("tp", [2, 4], ids=RANK_IDS)
 def test_parallel_lm_head(impl, gen, tp):
     """rank 0 gets the whole vocabulary's logits, the slices in rank order; the other ranks get None"""
     w = random_weights(gen, "H8-KVH4")

@@ -66,8 +66,12 @@ _ESCAPES = re.compile(r"\x1b\[[0-?]*[ -/]*[@-~]|\x1b\][^\x07\x1b]*(?:\x07|\x1b\\
 
 
 def check_title(item) -> str:
+    """The check's docstring's first paragraph, on one line (a title that wraps in the source is not cut)."""
     doc = (getattr(item, "function", None) and item.function.__doc__) or ""
-    return doc.strip().splitlines()[0].rstrip(".") if doc.strip() else item.originalname.removeprefix("test_")
+    if not doc.strip():
+        return item.originalname.removeprefix("test_")
+    first = doc.strip().split("\n\n", 1)[0]
+    return " ".join(line.strip() for line in first.splitlines()).rstrip(".")
 
 
 def verified_on(item) -> str:
@@ -76,9 +80,10 @@ def verified_on(item) -> str:
 
 
 class Reporter:
-    def __init__(self, config, render: bool):
+    def __init__(self, config, render: bool, next_steps: bool = True):
         self.config = config
         self.render = render
+        self.next_steps = next_steps  # a grade's report names no next module
         self.results: list[Result] = []
         self.collected: list = []
         self.named: set[str] = set()  # labels of mutants a check has rejected by their own id
@@ -176,7 +181,8 @@ class Reporter:
     def pytest_sessionfinish(self, session):
         self.deny_missing()
         if self.render:
-            render(self.results, self.config.kvlab_seed, time.perf_counter() - self.started)
+            render(self.results, self.config.kvlab_seed, time.perf_counter() - self.started,
+                   selection=self.config.getoption("keyword", "") or "", next_steps=self.next_steps)
 
 
 ICONS = {"passed": "[green]✓[/]", "failed": "[red]✗[/]", "not started": "[yellow]·[/]",
@@ -185,7 +191,10 @@ WORST_FIRST = ("kit error", "failed", "not started", "skipped", "passed")
 SHOWN_CASES = 2  # failing cases listed per check; the rest are counted
 
 
-def render(results: list[Result], seed: int, seconds: float, file=None) -> None:
+def render(results: list[Result], seed: int, seconds: float, file=None, selection: str = "",
+           next_steps: bool = True) -> None:
+    """The report. `selection`: the -k expression of a filtered run (its passes are not the module's);
+    `next_steps`: point to the next module (not in a grade, which speaks to an instructor)."""
     from rich.console import Console
     from rich.markup import escape
     from rich.padding import Padding
@@ -220,7 +229,7 @@ def render(results: list[Result], seed: int, seconds: float, file=None) -> None:
         for check, cases in by_check.items():
             status = next(s for s in WORST_FIRST if any(c.status == s for c in cases))
             bad = [c for c in cases if c.status == status] if status != "passed" else []
-            count = f"  [dim]{len(bad)} of {len(cases)} cases[/]" if len(cases) > 1 and bad else ""
+            count = f"  [dim]{len(bad)} of {len(cases)} cases {status}[/]" if len(cases) > 1 and bad else ""
             if len(cases) > 1 and not bad:
                 count = f"  [dim]{len(cases)} cases[/]"
             console.print(f" {ICONS[status]}  {escape(check)}{count}")
@@ -258,8 +267,12 @@ def render(results: list[Result], seed: int, seconds: float, file=None) -> None:
         if counts["not started"] == len(rows):
             console.print(f"Nothing written yet: open {escape(path)}, read the docstring, and fill in the body. "
                           f"The exercise page is exercises/{stem}.md.")
+        elif counts["passed"] == len(rows) and selection:
+            passed = "The selected check passes" if len(rows) == 1 else f"All {len(rows)} selected checks pass"
+            console.print(f"[green]{passed}[/] (-k {escape(selection)}). "
+                          f"The whole module: ./check.sh {name}")
         elif counts["passed"] == len(rows):
-            console.print(f"[green]All checks pass.[/] {next_step(stem)}")
+            console.print(f"[green]All checks pass.[/] {next_step(stem) if next_steps else ''}".rstrip())
     console.print(f"[dim]{seconds:.1f} s · replay this run exactly: add --seed {seed}[/]")
 
 

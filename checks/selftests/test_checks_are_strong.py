@@ -5,6 +5,8 @@ of the reference that some check rejects, by name), and "failed" cannot come fro
 order (each variant passes under two seeds). Every mistake is rejected by its name on five seeds.
 """
 
+import re
+
 import pytest
 
 from checks.harness.loader import display
@@ -122,6 +124,12 @@ def test_report_never_shows_a_traceback(full_run):
     assert not missing, f"no report was printed for {missing}"
     for marker in ("Traceback", "_pytest", 'File "'):
         assert marker not in full_run.output, f"the rendered report contains {marker!r}"
+    # a check's title is its docstring's whole first paragraph, wrapped in the source or not; a count of cases
+    # says what happened to them; a case reads as words
+    assert "merged_column_shard give every rank its block, exactly; a size the world does not divide raises " \
+           "ValueError" in " ".join(full_run.output.split())
+    assert re.search(r"\d+ of \d+ cases failed", full_run.output)
+    assert not re.search(r"\d+ of \d+ cases\s*$", full_run.output, re.M)
 
 
 def test_no_check_crashes(full_run):

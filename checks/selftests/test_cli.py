@@ -96,8 +96,13 @@ def test_only_whole_runs_count_as_progress_and_reset_forgets_it(kit_copy):
     (kit_copy / "mine" / "p02_store_kvcache.py").write_text((ROOT / "solutions" / "p02_store_kvcache.py").read_text())
     state = kit_copy / ".kvlab" / "results.json"
     before = state.read_text() if state.exists() else None
-    check_sh("p02", "-k", "toy", kit=kit_copy)
+    code, out = check_sh("p02", "-k", "toy", kit=kit_copy)
     assert (state.read_text() if state.exists() else None) == before  # a filtered run is not the module's status
+    assert code == 0 and "selected checks pass (-k toy). The whole module: ./check.sh p02" in out, out
+    assert "All checks pass" not in out and "Next:" not in out
+    code, out = check_sh("p02", "-k", "NaN", kit=kit_copy)  # a word of a title the report shows, not of a test name
+    assert code == 0 and "a NaN-filled cache ends with exactly the mapped slots written" in out, out
+    assert "selected check passes (-k NaN)" in out or "selected checks pass (-k NaN)" in out
     checks = re.search(r"p02: (\d+) passed", check_sh("p02", kit=kit_copy)[1]).group(1)
     assert f"done ({checks}/{checks} passed)" in check_sh("list", kit=kit_copy)[1]
     code, out = check_sh("reset", "p02", kit=kit_copy)

@@ -42,6 +42,8 @@ def test_a_class_is_graded_once_and_again_only_where_it_changed(tmp_path):
     assert (rows["alice"]["status"], rows["alice"]["m01"], rows["alice"]["max"]) == ("graded", "20", "20")
     assert rows["bob"]["status"] == "graded" and 0 < float(rows["bob"]["m01"]) < 20
     assert (rows["carol"]["status"], rows["carol"]["total"], rows["carol"]["max"]) == ("empty", "0", "20")
+    log = (out / "alice" / "grade.log").read_text()  # grade's report speaks to the instructor: no learner's next step
+    assert "All checks pass." in log and "Next:" not in log
     bob = json.loads((out / "bob" / "graded.json").read_text())
     assert bob["sources"] and bob["seconds"] > 0 and (out / "bob" / "junit.xml").is_file()
     checks = json.loads((out / "bob" / "checks.json").read_text())
