@@ -21,6 +21,7 @@ from pathlib import Path
 
 from checks.harness.limits import make_for_sandbox
 from checks.harness.modules import find, modules
+from checks.harness.report import SHOWN_MISTAKES, rank_mistakes
 
 SANDBOX_OFF = ("graded WITHOUT the sandbox (--no-sandbox): the submission ran with the grader's own "
                "file system, network and user; a hostile submission could change its score")
@@ -56,7 +57,7 @@ class Check:
     def output(self) -> str:
         lines = [f"{c.case + ': ' if c.case else ''}{c.reason}" for c in self.cases if c.status not in ("passed",
                                                                                                        "skipped")]
-        named = sorted({m for c in self.cases for m in c.mistakes})
+        named = rank_mistakes(self.cases)[:SHOWN_MISTAKES]
         if named:
             lines.append("matches the known mistake(s): " + ", ".join(named))
         return "\n".join(lines)

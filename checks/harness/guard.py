@@ -89,6 +89,7 @@ class Call:
     written: dict = field(default_factory=dict)  # position (or keyword) of a `Writes` argument -> it after the call
     owner: int | None = None  # for a method: id of the object it was called on
     returned: dict = field(default_factory=dict)  # id(a `Remote` in the result) -> its attributes as it came back
+    aliased: bool = False  # the result was (a view of) one of the inputs: a mutant must do the same to match
 
 
 @dataclass
@@ -401,10 +402,11 @@ class Guarded:
         by_id = {id(self.run.remote(h, "", "object")): s for h, s in states.items()} if states else {}
         data_by_id = {id(self.run.remote(h, "", "object")): d for h, d in data.items()} if data else {}
         self.events.append(Call(name, recorded_args, recorded_kwargs, snapshot(result), by_id, changed, data_by_id,
-                                after, None if owner is None else id(owner), returned_attributes(result)))
+                                after, None if owner is None else id(owner), returned_attributes(result),
+                                refused is not None))
         if changed is not None:
             raise LearnerError(f"`{name}` changed its input `{changed}` in place", identifiable=True)
-        if refused is not None:  # an alias of an input: compared with the mutants all the same
+        if refused is not None:  # an alias of an input: only a mutant that returns one too can match
             raise LearnerError(str(refused), identifiable=True)
         if expected is not None and not isinstance(expected, Writes):
             problem = contract_problem(result, expected)

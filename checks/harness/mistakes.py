@@ -153,9 +153,11 @@ def catalogue(stem: str) -> Catalogue:
 
 
 def identify(events: list, stem: str, tolerance_kind: str, time_limit: float,
-             only: Callable[[str], bool] | None = None) -> list[Mistake]:
+             only: Callable[[str], bool] | None = None, distances: dict | None = None) -> list[Mistake]:
     """The catalogued mistakes (those whose id `only` accepts, when given) whose replay of `events`
-    reproduces the learner's outputs."""
+    reproduces the learner's outputs. `distances`, when given, gets every replayed mistake's distance from
+    the learner's outputs: 0 for those, else the share of the compared values it gets wrong (1 where it
+    crashed or cannot be measured), so a report can rank near misses."""
     found = []
     key = _inputs_key(events)
     if any(memo[0] != stem for memo in _REPLAYED):
@@ -167,6 +169,7 @@ def identify(events: list, stem: str, tolerance_kind: str, time_limit: float,
             module = catalogue(stem).implementation(mistake).load(stem)
         except Exception:  # noqa: BLE001 - a stale mutant must not hide the learner's result
             continue
+        distance = 1.0
         if key is None:
             alike = _replays_alike(events, module, tolerance_kind, time_limit)
         else:  # the mutant's outputs depend on the calls' inputs alone: replay them once per run
@@ -174,8 +177,12 @@ def identify(events: list, stem: str, tolerance_kind: str, time_limit: float,
             if memo not in _REPLAYED:
                 _REPLAYED[memo] = _replay(events, module, time_limit)
             alike = _trace_alike(_REPLAYED[memo], events, tolerance_kind)
+            if not alike and distances is not None:
+                distance = _trace_distance(_REPLAYED[memo], events, tolerance_kind)
         if alike:
             found.append(mistake)
+        if distances is not None:
+            distances[mistake.id] = 0.0 if alike else distance
     return found
 
 
@@ -258,6 +265,7 @@ def _replay(events: list, module, time_limit: float, compare=None) -> list:
             before = {arg: leaves(value) for arg, value in names.items()
                       if not any(value is w for w in written.values())}
             result = run_with_time_limit(function, time_limit, *args, **kwargs)
+            aliased = _aliases(result, (args, kwargs))
         except KeyboardInterrupt:  # Ctrl-C or SIGTERM (./check.sh turns it into this): the run stops here
             raise
         except BaseException:  # noqa: BLE001 - the mutant crashed where the learner did not
@@ -272,6 +280,7 @@ def _replay(events: list, module, time_limit: float, compare=None) -> list:
         trace.append({
             "result": None if compare is not None else copy.deepcopy(result),
             "unchanged": changed_input(before, names) is None,
+            "aliased": aliased,
             "written": {key: whole_storage(w).clone() for key, w in written.items()},
             "states": [leaves(made[obj_id]) for obj_id in event.states],
             "data": [copy.deepcopy(plain(made[obj_id])) for obj_id in event.data],
@@ -287,8 +296,8 @@ def _trace_alike(trace: list, events: list, tolerance_kind: str, results_compare
             continue
         if not results_compared and not _alike(done["result"], event.result, tolerance_kind):
             return False
-        if done["unchanged"] != (event.changed is None):
-            return False
+        if done["unchanged"] != (event.changed is None) or done.get("aliased", False) != getattr(event, "aliased", False):
+            return False  # a generic failure (an input changed, a view returned) is the mutant's only if it does it too
         for key, after in event.written.items():
             if not _alike(done["written"][key], whole_storage(after), tolerance_kind):
                 return False
@@ -301,6 +310,33 @@ def _trace_alike(trace: list, events: list, tolerance_kind: str, results_compare
     return True
 
 
+def _trace_distance(trace: list, events: list, tolerance_kind: str) -> float:
+    """The share of the learner's returned values a replay gets wrong, averaged over the calls (1 for a call
+    the replay never reached or crashed in)."""
+    calls = [(e, t) for e, t in zip(events, trace + [None] * (len(events) - len(trace))) if not isinstance(e, New)]
+    if not calls:
+        return 1.0
+    return sum(1.0 if t is None else _value_distance(t["result"], e.result, tolerance_kind) for e, t in calls) / len(calls)
+
+
+def _value_distance(a, b, tolerance_kind: str) -> float:
+    if isinstance(b, (tuple, list)):
+        if not isinstance(a, (tuple, list)) or len(a) != len(b):
+            return 1.0
+        return sum(_value_distance(x, y, tolerance_kind) for x, y in zip(a, b)) / len(b) if b else 0.0
+    if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
+        if a.shape != b.shape or a.dtype != b.dtype:
+            return 1.0
+        if not b.numel():
+            return 0.0
+        tol = TOLERANCES.get((tolerance_kind, b.dtype))
+        if tol is None or not b.is_floating_point():
+            return float((a != b).float().mean())
+        return 0.0 if close_enough(a, b, tol) else float((~torch.isclose(a.double(), b.double(), rtol=1e-3,
+                                                                            atol=1e-3)).float().mean())
+    return 0.0 if _alike(a, b, tolerance_kind) else 1.0
+
+
 def _replays_alike(events: list, module, tolerance_kind: str, time_limit: float) -> bool:
     """A replay that compares each result as it comes: objects a method returned (a list of requests)
     become the replay's too, for the calls that pass them on."""
@@ -311,6 +347,24 @@ def _replays_alike(events: list, module, tolerance_kind: str, time_limit: float)
 
 
 _MISSING = object()
+
+
+def _aliases(result, inputs) -> bool:
+    """Whether `result` (a tensor, or a tuple or list of them) shares memory with a tensor among `inputs`."""
+    def tensors(value, depth: int = 0):
+        if isinstance(value, torch.Tensor):
+            yield value
+        elif isinstance(value, (list, tuple)) and depth < 2:
+            for item in value:
+                yield from tensors(item, depth + 1)
+        elif isinstance(value, dict) and depth < 2:
+            for item in value.values():
+                yield from tensors(item, depth + 1)
+
+    held = {t.untyped_storage().data_ptr() for t in tensors(inputs) if t.untyped_storage().nbytes()}
+    outs = [result] if isinstance(result, torch.Tensor) else list(result) if type(result) in (list, tuple) else []
+    return any(isinstance(t, torch.Tensor) and t.untyped_storage().nbytes() and t.untyped_storage().data_ptr() in held
+               for t in outs)
 
 
 def _fresh(value, made: dict):

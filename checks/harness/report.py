@@ -41,6 +41,9 @@ class Result:
     slowest_call_cpu: float = 0.0  # the worker's CPU seconds in its costliest call (0 where not measured)
     time_limit: float = 0.0
     run_seed: int | None = None  # the run's base seed (./check.sh --seed S), from which `seed` is derived
+    # a failing case's distance to each catalogued mistake replayed on it: 0 where it reproduces the learner's
+    # outputs (those are `mistakes`), else the share of values it gets wrong (ranks the names: rank_mistakes)
+    distances: dict = field(default_factory=dict)
 
 
 REASON_LIMIT = 300  # characters of one reason: what a learner's code says is cut here, before any output
@@ -132,7 +135,9 @@ class Reporter:
         elif isinstance(error, (LearnerError, Mismatch)) or type(error) is AssertionError:
             result.status, result.reason = "failed", said(first_line(str(error)))
             if isinstance(error, Mismatch) or getattr(error, "identifiable", False):
+                self.distances = {}
                 result.mistakes = self.name_mistakes(item, stem)
+                result.distances = self.distances
         else:
             entry = call.excinfo.traceback[-1]
             where = f"{str(entry.path).rsplit('/', 1)[-1]} line {entry.lineno + 1}"
@@ -176,7 +181,10 @@ class Reporter:
                 return []
             own, named_by = label.rsplit(":", 1)[1], only
             only = lambda mistake_id: mistake_id == own and (named_by is None or named_by(mistake_id))  # noqa: E731
-        return [m.id for m in identify(guarded.events, stem, kind, guarded.time_limit, only)]
+        distances: dict[str, float] = {}
+        found = [m.id for m in identify(guarded.events, stem, kind, guarded.time_limit, only, distances)]
+        self.distances = {k: round(v, 4) for k, v in distances.items()}
+        return found
 
     def pytest_sessionfinish(self, session):
         self.deny_missing()
@@ -223,6 +231,7 @@ def render(results: list[Result], seed: int, seconds: float, file=None, selectio
             console.print(f" {ICONS['failed']}  [bold]{escape(shared)}[/]")
             runnable = sum(r.status != "skipped" for r in rows)
             console.print(f"      [dim]so none of the {runnable} checks can run; fix that line and check again[/]")
+        ranking = rank_mistakes(rows)
         by_check: dict[str, list[Result]] = {}
         for r in rows:
             by_check.setdefault(r.check, []).append(r)
@@ -242,22 +251,25 @@ def render(results: list[Result], seed: int, seconds: float, file=None, selectio
             for c in bad[:SHOWN_CASES]:
                 case = f"[cyan]{escape(c.case)}[/] " if c.case else ""
                 seed_note = f" [dim]· case seed {c.seed}[/]" if c.status == "failed" else ""
-                named = f" [yellow]→ looks like {', '.join(c.mistakes)}[/]" if c.mistakes else ""
+                likely = [m for m in ranking if m in c.mistakes][:SHOWN_MISTAKES]
+                named = f" [yellow]→ looks like {' or '.join(likely)}[/]" if likely else ""
                 indented(f"{case}{escape(c.reason)}{seed_note}{named}")
             if len(bad) > SHOWN_CASES:
                 indented(f"[dim]… and {len(bad) - SHOWN_CASES} more (--json FILE lists every case)[/]")
-        matched: dict[str, int] = {}
-        for r in rows:
-            for mistake_id in r.mistakes:
-                matched[mistake_id] = matched.get(mistake_id, 0) + 1
-        if matched:
+        if ranking:
             console.print()
             console.print("[bold yellow]Your output matches a known mistake:[/]")
-            for mistake_id, n in sorted(matched.items(), key=lambda kv: -kv[1]):
+            for mistake_id in ranking[:SHOWN_MISTAKES]:
                 mistake = catalogue(stem).mistake(mistake_id)
-                indented(f"[bold]{mistake_id}[/] — {escape(mistake.title)} [dim]({plural(n, 'check')})[/]", 2)
+                n = len({r.check for r in rows if mistake_id in r.mistakes})
+                indented(f"[bold]{mistake_id}[/] — {escape(mistake.title)} [dim](reproduces {plural(n, 'failing check')})"
+                         f"[/]", 2)
                 indented(escape(mistake.hint), 4)
-            first = max(matched, key=matched.get)
+            if len(ranking) > SHOWN_MISTAKES:
+                indented(f"[dim]{plural(len(ranking) - SHOWN_MISTAKES, 'other known mistake')} also reproduce some of "
+                         "these failures; the two above reproduce the most failing checks, and come closest to your "
+                         "outputs on the rest[/]", 2)
+            first = ranking[0]
             indented(f"[dim]More: ./check.sh {name} --hint 2 (or exercises/{stem}.md › Pitfalls); in the book "
                      f"(./check.sh book): .kvlab/book/{stem}.html#pitfall-{first}[/]", 2)
         counts = {s: sum(r.status == s for r in rows) for s in WORST_FIRST}
@@ -274,6 +286,34 @@ def render(results: list[Result], seed: int, seconds: float, file=None, selectio
         elif counts["passed"] == len(rows):
             console.print(f"[green]All checks pass.[/] {next_step(stem) if next_steps else ''}".rstrip())
     console.print(f"[dim]{seconds:.1f} s · replay this run exactly: add --seed {seed}[/]")
+
+
+SHOWN_MISTAKES = 2  # known mistakes named for a module (and for a case): the best-matching ones
+
+
+def rank_mistakes(rows: list[Result]) -> list[str]:
+    """The known mistakes the rows' failures reproduce, best first: by how many failing checks each reproduces,
+    then how close its outputs come to the learner's on the failing cases it does not reproduce (the share of
+    values it gets wrong, summed), then the page's order of pitfalls. A mistake that another one beats on
+    every failing case (as close or closer everywhere, closer somewhere) is not named."""
+    checks: dict[str, set] = {}
+    for r in rows:
+        for mistake_id in r.mistakes:
+            checks.setdefault(mistake_id, set()).add(r.check)
+    measured = [r for r in rows if r.distances]
+
+    def distance(m: str, r: Result) -> float:
+        return 0.0 if m in r.mistakes else r.distances.get(m, 1.0)
+
+    def beaten(m: str) -> bool:
+        return any(all(distance(o, r) <= distance(m, r) for r in measured) and
+                   any(distance(o, r) < distance(m, r) for r in measured)
+                   for o in {k for r in measured for k in r.distances} if o != m)
+
+    kept = [m for m in checks if not (measured and beaten(m))]
+    order = {m.id: i for i, m in enumerate(catalogue(rows[0].module).mistakes)} if rows else {}
+    return sorted(kept, key=lambda m: (-len(checks[m]), sum(distance(m, r) for r in measured),
+                                       order.get(m, len(order))))
 
 
 def next_step(stem: str) -> str:

@@ -23,6 +23,16 @@ MISTAKES = [
         ),
     ),
     Mistake(
+        "top-k-drops-ties",
+        "top-k keeps exactly k tokens, dropping those tied with the k-th largest logit",
+        "Keep every token whose logit is at least the k-th largest: with a tie at that value, more than k stay "
+        "(compare with the k-th value, not the k positions torch.topk picks).",
+        replace('        scaled = scaled.masked_fill(scaled < kth, float("-inf"))',
+                "        order = scaled.argsort(dim=-1, descending=True, stable=True)\n"
+                "        place = torch.empty_like(order).scatter_(1, order, torch.arange(V).expand(B, V).contiguous())\n"
+                '        scaled = scaled.masked_fill(place >= k[:, None], float("-inf"))'),
+    ),
+    Mistake(
         "top-p-drops-the-crossing-token",
         "top-p keeps only the tokens whose running sum, their own included, stays within p",
         "Keep a token while the mass BEFORE it is below p: the token that crosses p is kept, so the kept mass reaches p.",

@@ -5,6 +5,7 @@ of the reference that some check rejects, by name), and "failed" cannot come fro
 order (each variant passes under two seeds). Every mistake is rejected by its name on five seeds.
 """
 
+import dataclasses
 import re
 
 import pytest
@@ -12,12 +13,14 @@ import pytest
 from checks.harness.loader import display
 from checks.harness.mistakes import catalogue
 from checks.harness.modules import modules
+from checks.harness.report import Result, rank_mistakes
 from checks.selftests.conftest import SEEDS
 
 STEMS = [m.stem for m in modules()]
 MISTAKES = [(stem, m) for stem in STEMS for m in catalogue(stem).mistakes]
 VARIANTS = [(stem, v) for stem in STEMS for v in catalogue(stem).variants]
 BROKEN = [(stem, b) for stem in STEMS for b in catalogue(stem).broken]
+RESULT_FIELDS = {f.name for f in dataclasses.fields(Result)}
 # A check whose optional oracle is absent here (flash-attn, real weights) is skipped for every implementation.
 OK = ("passed", "skipped")
 
@@ -96,6 +99,9 @@ def test_mistake_is_rejected_and_named(seed_runs, stem, mistake, seed):
     assert any(r["status"] == "failed" for r in rows), f"seed {seed}: no check rejects the mistake {mistake.id}"
     assert any(mistake.id in r["mistakes"] for r in rows), f"seed {seed}: {mistake.id} is rejected but never named"
     assert not [r for r in rows if r["status"] == "kit error"], "a check crashed on this mutant"
+    # named FIRST: of the known mistakes its failures match, the report's ranking puts it ahead of the others
+    ranking = rank_mistakes([Result(**{k: v for k, v in r.items() if k in RESULT_FIELDS}) for r in rows])
+    assert ranking[0] == mistake.id, f"seed {seed}: the report names {ranking[:2]} before {mistake.id}"
 
 
 @pytest.mark.parametrize("stem, variant", VARIANTS, ids=ids(VARIANTS))

@@ -1,0 +1,43 @@
+"""A report names a known mistake only when the mistake reproduces the failure, and the best match first:
+learner-style code (written here, not a catalogue patch) run through the checks as a learner runs them."""
+
+import os
+import shutil
+import subprocess
+import sys
+
+from checks.harness.loader import ROOT
+
+
+def checked(tmp_path, stem: str, old: str, new: str, *args: str) -> str:
+    """The report of `./check.sh` on the reference with one edit in `stem`."""
+    folder = tmp_path / "impl"
+    shutil.copytree(ROOT / "solutions", folder)
+    source = (folder / f"{stem}.py").read_text()
+    assert source.count(old) == 1
+    (folder / f"{stem}.py").write_text(source.replace(old, new))
+    done = subprocess.run([str(ROOT / "check.sh"), stem.split("_")[0], "--impl", str(folder), "--seed", "3", *args],
+                          capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "KVLAB_PYTHON": sys.executable, "COLUMNS": "200"})
+    assert done.returncode == 1, done.stdout + done.stderr
+    return " ".join(done.stdout.split())
+
+
+def test_a_shard_returned_as_a_view_names_no_mistake_and_says_why(tmp_path):
+    """No catalogued mistake returns a view: its failure is the generic one, said with what to do."""
+    out = checked(tmp_path, "p07_tensor_parallel", "    return weight[rank * size : (rank + 1) * size].clone()",
+                  "    return weight[rank * size : (rank + 1) * size]", "-k", "shards")
+    assert "`column_shard` returned one of its inputs (or a view of it): return new tensors" in out
+    assert "looks like" not in out and "matches a known mistake" not in out
+
+
+def test_a_top_k_that_drops_ties_is_named_as_such_not_as_top_p(tmp_path):
+    """torch.topk's k positions, written as a learner would: on the toy's tied row it gives what a top-p that
+    drops its crossing token gives too, but only top-k-drops-ties reproduces every failing check."""
+    out = checked(tmp_path, "p06_engine", '        scaled = scaled.masked_fill(scaled < kth, float("-inf"))',
+                  "        keep = torch.zeros_like(scaled, dtype=torch.bool)\n"
+                  "        for b in range(B):\n"
+                  "            keep[b, scaled[b].topk(int(k[b])).indices] = True\n"
+                  '        scaled = scaled.masked_fill(~keep, float("-inf"))', "-k", "probabilities")
+    assert "looks like top-k-drops-ties" in out and "top-k-drops-ties — top-k keeps exactly k tokens" in out
+    assert "top-p-drops-the-crossing-token" not in out
