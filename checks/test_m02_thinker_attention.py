@@ -174,11 +174,15 @@ def test_chunked_prefill_matches_hf(impl, seed, split, layout, dtype):
     feed(impl, hf_case(seed, layout, DTYPES[dtype], 11), SIZES[split], attention_tol(DTYPES[dtype]))
 
 
+PREFILL_THEN_DECODE = (5, 7)  # a prefill of 5 tokens, then 7 single-token decode steps: 12 tokens in all
+
+
 @pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES.keys())
 @pytest.mark.parametrize("layout", ["H8-KVH2-D8", "H6-KVH3-D16"])
 def test_prefill_then_decode_matches_hf(impl, seed, layout, dtype):
     """a prefill of 5 then 7 single-token decode steps gives HF's whole-prefill rows"""
-    feed(impl, hf_case(seed, layout, dtype, 12), [5] + [1] * 7, attention_tol(dtype))
+    prefill, steps = PREFILL_THEN_DECODE
+    feed(impl, hf_case(seed, layout, dtype, prefill + steps), [prefill] + [1] * steps, attention_tol(dtype))
 
 
 def test_chunked_equals_whole_exactly(impl, seed):

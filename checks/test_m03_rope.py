@@ -70,19 +70,21 @@ THETA = QWEN3_ROPE_THETA
 TOY = load_toy("m03_rope")
 
 
+CHUNK_START = 37  # where a chunk's positions start (a prefill's start at 0)
+DECODE_NEAR = 1000  # a decode step's position: DECODE_NEAR .. DECODE_NEAR + 39
+WHERE = ["prefill", f"chunk-at-{CHUNK_START}", f"decode-at-{DECODE_NEAR}"]
+
+
 def positions_for(where: str, gen: torch.Generator) -> torch.Tensor:
     """Absolute positions of one call: a prefill from 0, a chunk from 37, or a decode step near 1000."""
     T = int(torch.randint(3, 12, (), generator=gen))
     if where == "prefill":
         return torch.arange(T)
-    if where == "chunk-at-37":
-        return torch.arange(37, 37 + T)
-    if where == "decode-at-1000":
-        return torch.tensor([1000 + int(torch.randint(0, 40, (), generator=gen))])
+    if where == f"chunk-at-{CHUNK_START}":
+        return torch.arange(CHUNK_START, CHUNK_START + T)
+    if where == f"decode-at-{DECODE_NEAR}":
+        return torch.tensor([DECODE_NEAR + int(torch.randint(0, 40, (), generator=gen))])
     raise ValueError(where)
-
-
-WHERE = ["prefill", "chunk-at-37", "decode-at-1000"]
 
 
 def random_qk(gen, layout: str, T: int, dtype: torch.dtype):
@@ -211,7 +213,7 @@ def test_cached_rotary_matches_hf(impl, gen, layout, where, dtype):
 def test_chunks_rotate_like_one_call(impl, gen):
     """rotating 11 tokens as chunks 4 + 6 + 1 (positions 37..47) gives the rows of one call"""
     D = 16
-    positions = torch.arange(37, 48)
+    positions = torch.arange(CHUNK_START, CHUNK_START + 11)
     q, k = random_qk(gen, "H4-KVH2-D16", 11, torch.float32)
     cache = impl.build_rotary_cache(D, 64, THETA)
     inv_freq = impl.inverse_frequencies(D, THETA)
@@ -223,7 +225,7 @@ def test_chunks_rotate_like_one_call(impl, gen):
         got_q, got_k = impl.apply_rope(q[rows].clone(), k[rows].clone(), cos, sin)
         cached_q, cached_k = impl.rotary(cache, positions[rows].clone(), q[rows].clone(), k[rows].clone())
         tol = tolerance("rope", torch.float32)
-        what = f"chunk of {size} at positions {start + 37}..{start + 37 + size - 1}"
+        what = f"chunk of {size} at positions {start + CHUNK_START}..{start + CHUNK_START + size - 1}"
         for name, got, cached, expected in (("q", got_q, cached_q, expected_q), ("k", got_k, cached_k, expected_k)):
             expect_close(got, expected[rows], tol, f"{what}: {name} from rope_cos_sin + apply_rope")
             expect_close(cached, expected[rows], tol, f"{what}: {name} from rotary")

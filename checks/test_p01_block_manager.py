@@ -419,7 +419,10 @@ def test_slot_of(impl, gen):
                                f"expected {expected}")
 
 
-@pytest.mark.parametrize("block_size", [1, 3, 4], ids=lambda b: f"blocks of {b}")
+EVERY_LENGTH_BLOCK_SIZES = [1, 3, 4]  # one token a block, a size no length divides evenly, and the toy's
+
+
+@pytest.mark.parametrize("block_size", EVERY_LENGTH_BLOCK_SIZES, ids=lambda b: f"blocks of {b}")
 def test_blocks_at_every_length(impl, block_size):
     """prompts of every length get ceil(len / block_size) blocks; a token opens a block exactly when the last is full"""
     player = Player(impl, 3 * block_size + 8, block_size)
@@ -445,7 +448,10 @@ def test_can_append_when_no_block_is_free(impl):
     player.check()
 
 
-@pytest.mark.parametrize("block_size", [4, 256], ids=lambda b: f"blocks of {b}")
+SHARED_PREFIX_BLOCK_SIZES = [4, 256]  # the toy's, and nano-vllm's
+
+
+@pytest.mark.parametrize("block_size", SHARED_PREFIX_BLOCK_SIZES, ids=lambda b: f"blocks of {b}")
 def test_shared_prefix_and_last_block(impl, block_size):
     """a prompt that repeats another's full blocks shares them (ref counts 2), except its last block"""
     player = Player(impl, 8, block_size)  # blocks of 256: nano-vllm's (a prompt of 512 tokens, then 513)

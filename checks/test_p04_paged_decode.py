@@ -160,14 +160,17 @@ def test_decode_matches_naive(impl, gen, case):
                  f"output (lengths {lengths})")
 
 
+BLOCK_ORDERS = ((16, False), (64, True), (256, True))  # (block_size, shuffled): the same keys in each
+
+
 def test_block_size_and_order_do_not_matter(impl, gen):
     """the same keys in blocks of 16 (in order), 64 (shuffled) and 256 (shuffled): the same output each time"""
     lengths = very_different_lengths(gen, 3)
-    first = PagedBatch(gen, torch.float16, 2, 64, lengths, 16, shuffle=False)
+    first = PagedBatch(gen, torch.float16, 2, 64, lengths, *BLOCK_ORDERS[0])
     q = decode_queries(gen, torch.float16, 3, 4, 64)
     expected = first.expected(q, one_query_each(3), causal=False)
     tol = tolerance("flash", torch.float16)
-    for block_size, shuffle in ((16, False), (64, True), (256, True)):
+    for block_size, shuffle in BLOCK_ORDERS:
         batch = PagedBatch(gen, torch.float16, 2, 64, lengths, block_size, shuffle, first.keys, first.values)
         out = impl.paged_decode(q, batch.k_cache, batch.v_cache, batch.block_table, batch.cache_seqlens, num_splits=1)
         order = "shuffled" if shuffle else "in order"

@@ -81,6 +81,7 @@ ONE_LAYER = "L1-H4-KVH2-D16"
 QWEN3 = "Qwen3-L1-H16-KVH8-D128-hidden1024"
 SHAPES = {**LAYOUTS, ONE_HEAD: (64, 32, 48, 1, 1, 1, 16), ONE_LAYER: (96, 48, 80, 1, 4, 2, 16),
           QWEN3: (96, 1024, 3072, 1, 16, 8, 128)}
+ENGINE_DTYPE = torch.float16  # the kernels' dtype: the engine runs the models in it, HF in float64
 NEAR_TIE = 0.03  # float16 logits of these models are within 0.009 of float64 (measured): a 3x margin
 MODULES = ("m01_rmsnorm", "m03_rope", "m04_qwen3_model", "p01_block_manager", "p02_store_kvcache",
            "p03_flash_attention", "p04_paged_decode", "p05_scheduler", "p06_engine", "p07_tensor_parallel")
@@ -133,7 +134,7 @@ def weights(seed: int, layout: str) -> ModelWeights:
     if hidden > 48:  # logits of the width-48 models' size: a 1024-wide model's are 5 times larger, and so is
         # their float16 error (0.014 against NEAR_TIE's 0.03, measured); a smaller tied embedding keeps it 0.003
         w = replace(w, embed_tokens=w.embed_tokens * (48 / hidden) ** 0.5)
-    return w.to(torch.float16)
+    return w.to(ENGINE_DTYPE)
 
 
 def on_device(w: ModelWeights) -> ModelWeights:
@@ -300,9 +301,12 @@ def expected_probabilities(logits, temperature, top_k, top_p) -> torch.Tensor:
     return torch.stack(rows)
 
 
+SAMPLER_VOCAB = 40  # tokens in a sampler row: more than any row's top-k keeps, few enough to list
+
+
 def sampler_case(gen: torch.Generator):
     """Rows over 40 tokens: greedy, plain, top-k (with a tie at the k-th value), top-p, both, a tiny p."""
-    V = 40
+    V = SAMPLER_VOCAB
     logits = torch.randn(8, V, generator=gen) * 2
     logits[2, :3] = logits[2].max() + 1  # a three-way tie for the lead
     logits[3, 5] = logits[3, 6] = logits[3].sort(descending=True).values[3]  # ties at the 4th value
@@ -369,11 +373,15 @@ def greedy_against_hf(request, impl, seed: int, layout: str, lengths, params: Pa
     with_blame(request, impl, scenario)
 
 
+SHARED_BLOCKS = 2  # full blocks the prompts of the prefix-cache checks share
+
+
 def test_prefix_hits_are_served_and_counted(request, impl, seed):
     """prompts that share two full blocks are served by the prefix cache (counted), with HF's tokens"""
     layout = "L2-H4-KVH2-D16"
     gen = torch.Generator().manual_seed(seed)
-    shared = random_prompts(gen, 96, (8,))[0]  # two blocks of 4
+    shared = random_prompts(gen, 96, (SHARED_BLOCKS * Config.block_size,))[0]  # two blocks of 4: 8 tokens
+    n = len(shared)
     tails = random_prompts(gen, 96, (3, 2, 5))
     # B shares A's two full blocks (allocated after A in the same step); C, in a second generate call,
     # finds them again in the cache after A and B finished and freed them.
@@ -384,14 +392,14 @@ def test_prefix_hits_are_served_and_counted(request, impl, seed):
         llm = impl.LLM(on_device(first.w), first.config)
         first.outputs = llm.generate([list(p) for p in first.prompts], list(first.params))
         first.stats = dict(llm.stats)
-        expect_greedy(first, seed, layout, "two prompts sharing 8 tokens")
-        expect_count(first, "cached_tokens", lambda n: n == 8, "8: the second prompt's two shared blocks")
+        expect_greedy(first, seed, layout, f"two prompts sharing {n} tokens")
+        expect_count(first, "cached_tokens", lambda got: got == n, f"{n}: the second prompt's two shared blocks")
         again = Run(first.w, [second_prompt], [Params()], first.config)
         again.outputs = llm.generate([list(second_prompt)], [Params()])
         again.stats = dict(llm.stats)
         expect_greedy(again, seed, layout, "a later prompt sharing the freed blocks")
-        expect_count(again, "cached_tokens", lambda n: n == 16,
-                     "16 after the second call: its two shared blocks were freed but still cached")
+        expect_count(again, "cached_tokens", lambda got: got == 2 * n,
+                     f"{2 * n} after the second call: its two shared blocks were freed but still cached")
 
     with_blame(request, impl, scenario)
 
@@ -406,11 +414,15 @@ def test_preemption_keeps_the_tokens(request, impl, seed):
                                           "at least 1: three requests needing 3 to 4 blocks each share 6 blocks"))
 
 
+CHUNK_BUDGET = 5  # the token budget that chunks the prompts of 13, 7 and 4 tokens
+
+
 def test_chunked_prefill_keeps_the_tokens(request, impl, seed):
     """a token budget of 5 chunks the prompts, and the tokens stay HF's"""
     greedy_against_hf(request, impl, seed, "L2-H2-KVH1-D16", (13, 7, 4), Params(max_tokens=4),
-                      Config(max_num_batched_tokens=5), "chunked prefill (budget 5)",
-                      ("chunked_prefills", lambda n: n >= 2, "at least 2: a 13-token prompt under a budget of 5"))
+                      Config(max_num_batched_tokens=CHUNK_BUDGET), f"chunked prefill (budget {CHUNK_BUDGET})",
+                      ("chunked_prefills", lambda n: n >= 2,
+                       f"at least 2: a 13-token prompt under a budget of {CHUNK_BUDGET}"))
 
 
 def test_stops_at_eos_unless_ignored(request, impl, seed):
@@ -494,6 +506,7 @@ def test_engine_loads_a_local_checkpoint_folder(request, impl, seed, tmp_path):
 # seed is fixed per run (printed by the report), so a verdict is reproducible.
 FALSE_ALARM = 1e-4
 DRAWS = 48  # with top-3, each kept token is expected ~8 times or more for the logits these models give
+TOP_K = 3  # the distribution the first tokens must follow: temperature 1.5, the top 3 tokens
 
 
 def test_first_token_follows_the_distribution(request, impl, seed):
@@ -501,19 +514,21 @@ def test_first_token_follows_the_distribution(request, impl, seed):
     layout = ONE_HEAD
     gen = torch.Generator().manual_seed(seed)
     prompt = random_prompts(gen, 64, (6,))[0]
-    params = [Params(temperature=1.5, top_k=3, max_tokens=1, seed=seed % 10_000 * 1000 + i) for i in range(DRAWS)]
+    params = [Params(temperature=1.5, top_k=TOP_K, max_tokens=1, seed=seed % 10_000 * 1000 + i)
+              for i in range(DRAWS)]
     run = Run(weights(seed, layout), [prompt] * DRAWS, params, Config(max_num_seqs=DRAWS, num_blocks=4 * DRAWS,
                                                                       max_num_batched_tokens=8 * DRAWS))
     with torch.no_grad():
         logits = hf64(seed, layout)(torch.tensor([prompt]), use_cache=False).logits[0, -1]
-    target = expected_probabilities(logits[None], torch.tensor([1.5]), torch.tensor([3]), torch.tensor([1.0]))[0]
+    target = expected_probabilities(logits[None], torch.tensor([1.5]), torch.tensor([TOP_K]), torch.tensor([1.0]))[0]
 
     def scenario(impl):
         engine(impl, run)
         tokens = torch.tensor([out[0] for out in run.outputs])
         outside = sorted(set(tokens.tolist()) - set((target > 0).nonzero().flatten().tolist()))
         if outside:
-            raise Mismatch(f"sampled tokens {outside} lie outside the top 3 {target.nonzero().flatten().tolist()}")
+            raise Mismatch(f"sampled tokens {outside} lie outside the top {TOP_K} "
+                           f"{target.nonzero().flatten().tolist()}")
         kept = (target > 0).nonzero().flatten()
         counts = torch.bincount(tokens, minlength=target.shape[0])[kept].double()
         expected = target[kept] * DRAWS
@@ -532,17 +547,20 @@ def test_first_token_follows_the_distribution(request, impl, seed):
 # ---- tensor parallelism (with p07) --------------------------------------------------------------------
 
 
+RANKS = 2  # the engine's tensor_parallel_size on two forked ranks (gloo)
+
+
 def test_two_ranks_give_the_tokens_of_one(request, impl, seed):
     """on two ranks (tensor_parallel_size 2, your p07 shards, gloo) the engine gives its one-rank tokens"""
     if DEVICE.type != "cpu":
         pytest.skip("two ranks need two GPUs (NCCL): on a GPU machine this check runs in the CPU interpreter only")
     layout = ONE_LAYER  # 2 query heads and 1 kv head per rank; V 96 and I 80 split in two
     gen = torch.Generator().manual_seed(seed)
-    shared = random_prompts(gen, 96, (8,))[0]
+    shared = random_prompts(gen, 96, (SHARED_BLOCKS * Config.block_size,))[0]
     prompts = [shared + tail for tail in random_prompts(gen, 96, (3, 1))] + random_prompts(gen, 96, (5,))
     params = [Params(max_tokens=4)] * len(prompts)
     one = Run(weights(seed, layout), prompts, params, Config(max_num_batched_tokens=8))
-    two = Run(one.w, prompts, params, Config(max_num_batched_tokens=8, tensor_parallel_size=2))
+    two = Run(one.w, prompts, params, Config(max_num_batched_tokens=8, tensor_parallel_size=RANKS))
 
     def scenario(impl):
         engine(impl, one)
@@ -552,6 +570,7 @@ def test_two_ranks_give_the_tokens_of_one(request, impl, seed):
             expect_greedy(two, seed, layout, "on two ranks")
         expect_count(two, "chunked_prefills", lambda n: n >= 1,
                      "at least 1: prompts of 11, 9 and 5 under a budget of 8")
-        expect_count(two, "cached_tokens", lambda n: n >= 8, "at least 8: two prompts share two full blocks")
+        expect_count(two, "cached_tokens", lambda n: n >= len(shared),
+                     f"at least {len(shared)}: two prompts share two full blocks")
 
     with_blame(request, impl, scenario)

@@ -245,7 +245,13 @@ def test_toy_layer_on_two_ranks(impl):
 RANK_IDS = lambda tp: f"{tp}-ranks" if tp > 1 else "1-rank"  # noqa: E731 - a case reads "2-ranks", not a bare "2"
 
 
-@pytest.mark.parametrize("tp", [1, 2, 4], ids=RANK_IDS)
+SHARD_WORLD_SIZES = [1, 2, 4]  # column_shard, row_shard and merged_column_shard (1: the whole weight)
+LAYER_WORLD_SIZES = [2, 4]  # shard_layer
+GROUP_SIZES = [2, 4]  # the process groups of the vocabulary checks (a layer's and the model's: SPLITS)
+REFUSED_KV_HEADS, REFUSED_WORLD_SIZE = 2, 4  # kv heads that do not divide over the ranks (8 query heads would)
+
+
+@pytest.mark.parametrize("tp", SHARD_WORLD_SIZES, ids=RANK_IDS)
 def test_column_row_and_merged_shards(impl, gen, tp):
     """column_shard, row_shard and merged_column_shard give every rank its block, exactly; a size the world
     does not divide raises ValueError"""
@@ -278,7 +284,7 @@ def expect_value_error(call, what: str) -> None:
     raise Mismatch(f"{what} returned a result instead of raising ValueError")
 
 
-@pytest.mark.parametrize("tp", [2, 4], ids=RANK_IDS)
+@pytest.mark.parametrize("tp", LAYER_WORLD_SIZES, ids=RANK_IDS)
 def test_shard_layer_matches_the_definition(impl, gen, tp):
     """shard_layer gives every rank its q, k and v heads, its gate and up features, its o_proj and down_proj
     columns, the shared norms and its own head counts"""
@@ -290,8 +296,9 @@ def test_shard_layer_matches_the_definition(impl, gen, tp):
 def test_shard_layer_refuses_kv_heads_that_do_not_divide(impl, gen):
     """shard_layer raises ValueError for 2 kv heads over 4 ranks (8 query heads would divide)"""
     V, hidden, intermediate, L, H, KVH, D = LAYOUTS["H8-KVH4"]
-    layer = ModelWeights.random(gen, V, hidden, intermediate, 1, H, 2, D).layers[0]
-    expect_value_error(lambda: impl.shard_layer(layer, 0, 4), "shard_layer with 8 heads and 2 kv heads over 4 ranks")
+    layer = ModelWeights.random(gen, V, hidden, intermediate, 1, H, REFUSED_KV_HEADS, D).layers[0]
+    expect_value_error(lambda: impl.shard_layer(layer, 0, REFUSED_WORLD_SIZE),
+                       f"shard_layer with {H} heads and {REFUSED_KV_HEADS} kv heads over {REFUSED_WORLD_SIZE} ranks")
 
 
 def test_shard_model(impl, gen):
@@ -317,7 +324,7 @@ def test_shard_model(impl, gen):
 # ---- the vocabulary, split ----------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("tp", [2, 4], ids=RANK_IDS)
+@pytest.mark.parametrize("tp", GROUP_SIZES, ids=RANK_IDS)
 def test_vocab_parallel_embedding(impl, gen, tp):
     """every rank gets the embedding of every id, whichever rank's block holds it (block edges included)"""
     w = random_weights(gen, "H8-KVH4")
@@ -329,7 +336,7 @@ def test_vocab_parallel_embedding(impl, gen, tp):
     on_every_rank(out, w.embed_tokens[ids], tolerance("model", torch.float32), f"the embeddings of ids {ids.tolist()}")
 
 
-@pytest.mark.parametrize("tp", [2, 4], ids=RANK_IDS)
+@pytest.mark.parametrize("tp", GROUP_SIZES, ids=RANK_IDS)
 def test_parallel_lm_head(impl, gen, tp):
     """rank 0 gets the whole vocabulary's logits, the slices in rank order; the other ranks get None"""
     w = random_weights(gen, "H8-KVH4")
@@ -366,6 +373,9 @@ def count_words(names: list[str]) -> str:
     return ", ".join(f"{n} x{c}" for n, c in counted.items()) or "none"
 
 
+LAYER_ALL_REDUCES = 2  # one after o_proj, one after down_proj; a model makes 2L + 1 (the embedding's too)
+
+
 def test_collectives(impl, seed):
     """a layer makes exactly two collectives on every rank, both all_reduce (after o_proj, after down_proj);
     the model 2L + 1 all_reduce and one gather"""
@@ -376,16 +386,17 @@ def test_collectives(impl, seed):
     group = ranks(impl, tp)
     group.call("tp_decoder_layer", [(rank_layer(case.w.layers[0], r, tp), hidden, cos, sin) for r in range(tp)])
     for rank, names in enumerate(group.collectives):
-        if names != ["all_reduce", "all_reduce"]:
+        if names != ["all_reduce"] * LAYER_ALL_REDUCES:
             raise Mismatch(f"one tp_decoder_layer call made {count_words(names)} on rank {rank}: expected exactly "
-                           f"2 all_reduce (one after o_proj, one after down_proj), nothing else")
+                           f"{LAYER_ALL_REDUCES} all_reduce (one after o_proj, one after down_proj), nothing else")
     group.call("tp_model_forward", [(rank_model(case.w, r, tp), case.prompt) for r in range(tp)])
     L = len(case.w.layers)
     for rank, names in enumerate(group.collectives):
         body, last = names[:-1], names[-1:]
-        if body != ["all_reduce"] * (2 * L + 1) or last not in (["gather"], ["all_gather"]):
+        if body != ["all_reduce"] * (LAYER_ALL_REDUCES * L + 1) or last not in (["gather"], ["all_gather"]):
             raise Mismatch(f"one tp_model_forward call ({L} layers) made {count_words(names)} on rank {rank}: "
-                           f"expected {2 * L + 1} all_reduce (the embedding, then 2 per layer) and one gather")
+                           f"expected {LAYER_ALL_REDUCES * L + 1} all_reduce (the embedding, then "
+                           f"{LAYER_ALL_REDUCES} per layer) and one gather")
 
 
 @pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES.keys())
@@ -401,6 +412,9 @@ def test_model_matches_hf(impl, seed, gen, split, dtype):
     expect_close(logits, case.logits, tolerance("model", dtype), f"rank 0's logits ({P} tokens, {tp} ranks)")
 
 
+CHUNKED_CALLS = ((0, 5), (5, 7), (7, 8))  # tokens start .. stop - 1 of each call: two prefill chunks, a decode step
+
+
 def test_chunked_calls_with_caches(impl, seed):
     """prefill in two chunks, then a decode step, with one KVCache per layer on every rank: HF's logits, and
     each rank's cache holds only its own kv heads"""
@@ -410,7 +424,7 @@ def test_chunked_calls_with_caches(impl, seed):
     caches = [[group.make_on(r, "KVCache") for _ in case.w.layers] for r in range(tp)]
     shards = [rank_model(case.w, r, tp) for r in range(tp)]
     tol = tolerance("model", torch.float32)
-    for start, stop in ((0, 5), (5, 7), (7, 8)):
+    for start, stop in CHUNKED_CALLS:
         out = group.call("tp_model_forward", [(shards[r], case.prompt[start:stop], caches[r], True) for r in range(tp)])
         logits = only_rank_zero(out, "tp_model_forward")
         expect_close(logits, case.logits[start:stop], tol, f"rank 0's logits for tokens {start} .. {stop - 1} "
@@ -424,12 +438,15 @@ def test_chunked_calls_with_caches(impl, seed):
                            f"KVH / tp = {kvh} kv heads")
 
 
+GREEDY_TOKENS, GREEDY_RANKS = 8, 2  # tp_generate_greedy's new tokens, on this many ranks
+
+
 @cache
 def greedy_case(seed: int) -> tuple[ModelCase, torch.Tensor]:
     """An fp32 case whose greedy steps are never near-ties (else the next seed's), with HF generate's tokens."""
     for attempt in range(20):
         case = hf_case(seed * 100 + attempt, "H4-KVH2", torch.float32, 7)
-        tokens, margins = hf_greedy(hf_causal_lm(case.w, torch.float32), case.prompt, 8)
+        tokens, margins = hf_greedy(hf_causal_lm(case.w, torch.float32), case.prompt, GREEDY_TOKENS)
         if margins.min() > 1e-4:
             return case, tokens
     raise RuntimeError(f"no well-separated greedy case for seed {seed}")
@@ -438,11 +455,12 @@ def greedy_case(seed: int) -> tuple[ModelCase, torch.Tensor]:
 def test_greedy_matches_hf_generate(impl, seed):
     """tp_generate_greedy on 2 ranks: every rank returns HF generate's 8 greedy tokens"""
     case, expected = greedy_case(seed)
-    group = ranks(impl, 2)
-    out = group.call("tp_generate_greedy", [(rank_model(case.w, r, 2), case.prompt, 8) for r in range(2)])
+    tp = GREEDY_RANKS
+    group = ranks(impl, tp)
+    out = group.call("tp_generate_greedy", [(rank_model(case.w, r, tp), case.prompt, GREEDY_TOKENS) for r in range(tp)])
     for rank, tokens in enumerate(out):
-        if not isinstance(tokens, torch.Tensor) or tokens.dtype != torch.int64 or tokens.shape != (8,):
-            raise Mismatch(f"rank {rank} returned {tokens!r:.60}, expected 8 int64 tokens")
+        if not isinstance(tokens, torch.Tensor) or tokens.dtype != torch.int64 or tokens.shape != (GREEDY_TOKENS,):
+            raise Mismatch(f"rank {rank} returned {tokens!r:.60}, expected {GREEDY_TOKENS} int64 tokens")
         if not torch.equal(tokens, expected):
             step = int((tokens != expected).nonzero()[0])
             hint = " · are the other ranks given rank 0's token (a broadcast) before the next step?" if rank else ""
