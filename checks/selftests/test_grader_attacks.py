@@ -466,7 +466,7 @@ def test_an_honest_submission_scores_everything_under_an_inherited_hard_limit(tm
     scored = json.loads(results.read_text())
     assert kit_fingerprint() == before, "the grader wrote into the kit"
     assert done.returncode == 0, out[-2000:]
-    assert all(t["status"] == "passed" for t in scored["tests"]) and scored["score"] == 22, out[-2000:]
+    assert all(t["status"] == "passed" for t in scored["tests"]) and scored["score"] == 23, out[-2000:]
     assert any("checkpoint" in t["name"] for t in scored["tests"])
     assert "m01 · RMSNorm and the fused residual add: 20 / 20 points" in out
 
