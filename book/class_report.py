@@ -14,6 +14,7 @@ normally; and every student's scores. The plots are SVG drawn by matplotlib and 
 the same for the same inputs (a fixed hash salt, no date).
 """
 
+import dataclasses
 import io
 import json
 import math
@@ -32,9 +33,11 @@ from book.build import environment
 from book.i18n import T, text
 from checks.harness.loader import ROOT
 from checks.harness.mistakes import catalogue
+from checks.harness.report import SHOWN_MISTAKES, Result, rank_mistakes
 from checks.harness.modules import modules
 
 HERE = Path(__file__).resolve().parent
+RESULT_FIELDS = {f.name for f in dataclasses.fields(Result)}
 PAGES = {"en": "class.html", "zh": "class.zh.html"}
 STYLESHEET = "class.css"
 RAN = ("graded", "crashed", "hung")  # statuses whose code ran: they have checks.json and scores
@@ -289,13 +292,22 @@ def mistake_titles(stem: str) -> dict[str, T]:
                  Markup.escape(english.get(i, ""))) for i in set(english) | set(chinese)}
 
 
+def as_result(row: dict) -> Result | None:
+    """A checks.json row as the report's `Result`, or None when it lacks a field (a hand-edited file)."""
+    try:
+        return Result(**{k: v for k, v in row.items() if k in RESULT_FIELDS})
+    except TypeError:
+        return None
+
+
 def mistake_counts(stem: str, students: list[Student]) -> list[MistakeCount]:
+    """Per mistake, the students whose own report names it (the best-ranked ones, as `./check.sh` shows)."""
     who: dict[str, set[str]] = defaultdict(set)
     for student in students:
-        for row in student.results:
-            if row.get("module") == stem:
-                for mistake in row.get("mistakes") or []:
-                    who[str(mistake)].add(student.id)
+        rows = [result for row in student.results if row.get("module") == stem and isinstance(row.get("mistakes"), list)
+                and (result := as_result(row)) is not None]
+        for mistake in rank_mistakes(rows)[:SHOWN_MISTAKES] if rows else []:
+            who[str(mistake)].add(student.id)
     titles = mistake_titles(stem) if who else {}
     ranked = sorted(who.items(), key=lambda item: (-len(item[1]), item[0]))
     return [MistakeCount(i, titles.get(i, T("", "")), sorted(names)) for i, names in ranked]
