@@ -168,6 +168,11 @@ class Model:
 # ---- invariants ---------------------------------------------------------------------------------------
 
 
+def count(n: int, unit: str) -> str:
+    """"1 block", "3 blocks": a number with what it counts."""
+    return f"{n} {unit}" if n == 1 else f"{n} {unit}s"
+
+
 def slot(table: list[int], position: int, block_size: int) -> int:
     return table[position // block_size] * block_size + position % block_size
 
@@ -184,9 +189,11 @@ def invariant_problem(state: State, live: dict, holds: dict, block_size: int) ->
             owners[block] += 1
     for b in range(n):
         if state.refs[b] != owners[b]:
-            return f"block {b} has ref_count {state.refs[b]} but {owners[b]} live sequences hold it"
+            return f"blocks[{b}].ref_count is {state.refs[b]}, but the block tables of " \
+                   f"{count(owners[b], 'live sequence')} hold it"
         if (state.refs[b] == 0) != (b in state.free):
-            return f"block {b} has ref_count {state.refs[b]} and is {'' if b in state.free else 'not '}free"
+            return f"blocks[{b}].ref_count is {state.refs[b]} and the block is " \
+                   f"{'' if b in state.free else 'not '}in free_block_ids"
     for key, b in state.entries.items():
         if not 0 <= b < n or state.hashes[b] != key or not state.full[b]:
             if not 0 <= b < n:
@@ -197,7 +204,8 @@ def invariant_problem(state: State, live: dict, holds: dict, block_size: int) ->
     for name, seq in live.items():
         length, table, cached = len(seq), list(seq.block_table), seq.num_cached_tokens
         if len(table) != -(-length // block_size):
-            return f"{name} has {length} tokens in {len(table)} blocks {table}, expected {-(-length // block_size)}"
+            return f"{name} has {count(length, 'token')} in {count(len(table), 'block')} {table}, expected " \
+                   f"{count(-(-length // block_size), 'block')} of {block_size} tokens"
         if cached % block_size or not 0 <= cached < length:
             return f"{name} has num_cached_tokens {cached} of {length} tokens (a multiple of {block_size}, < len)"
         if length % block_size and state.refs[table[-1]] != 1:
@@ -314,7 +322,8 @@ class Player:
     def read_cached(self, seq) -> int:
         cached = seq.num_cached_tokens
         if not isinstance(cached, int) or not 0 <= cached <= len(seq):
-            raise Mismatch(f"{self.steps[-1]}: num_cached_tokens is {cached!r}")
+            raise Mismatch(f"{self.steps[-1]}: num_cached_tokens is {cached!r}, expected a number of tokens from 0 to "
+                           f"{len(seq)}")
         return cached
 
     def written(self, seq, positions) -> None:
@@ -322,8 +331,9 @@ class Player:
         table = list(seq.block_table)
         for p in positions:
             if p // self.block_size >= len(table):
-                raise Mismatch(f"after {self.steps[-1]}: {len(seq)} tokens in {len(table)} blocks {table}, "
-                               f"expected {-(-len(seq) // self.block_size)}")
+                raise Mismatch(f"after {self.steps[-1]}: {count(len(seq), 'token')} in {count(len(table), 'block')} "
+                               f"{table}, expected {count(-(-len(seq) // self.block_size), 'block')} of "
+                               f"{self.block_size} tokens")
             self.holds[slot(table, p, self.block_size)] = tuple(seq.token_ids[: p + 1])
 
     @with_steps
@@ -338,8 +348,8 @@ class Player:
     def expect_cached(self, name: str, expected: int) -> None:
         got = self.live[name].num_cached_tokens
         if got != expected:
-            raise Mismatch(f"after {self.steps[-1]}: {name} has num_cached_tokens {got}, expected {expected} "
-                           f"· steps: {'; '.join(self.steps)}")
+            raise Mismatch(f"after {self.steps[-1]}: {name} has num_cached_tokens {got}, expected "
+                           f"{count(expected, 'cached token')} · steps: {'; '.join(self.steps)}")
 
 
 def play_toy(impl, scenario: dict) -> None:
@@ -369,13 +379,17 @@ def play_toy(impl, scenario: dict) -> None:
                 raise Mismatch(f"{what}: {toy_name}'s block table is {list(seq.block_table)}, expected {table}")
             if seq.num_cached_tokens != step["num_cached_tokens"][toy_name]:
                 raise Mismatch(f"{what}: {toy_name}'s num_cached_tokens is {seq.num_cached_tokens}, "
-                               f"expected {step['num_cached_tokens'][toy_name]}")
-        for field, got, expected in (("free_block_ids", state.free, step["free"]),
-                                     ("ref counts", state.refs, step["ref_counts"]),
-                                     ("cached blocks (hash_to_block_id values)", cached_blocks(state),
-                                      step["cached_blocks"])):
-            if got != expected:
-                raise Mismatch(f"{what}: {field} {got}, expected {expected}")
+                               f"expected {count(step['num_cached_tokens'][toy_name], 'cached token')}")
+        if state.free != step["free"]:
+            raise Mismatch(f"{what}: free_block_ids is {state.free}, expected {step['free']}")
+        if state.refs != step["ref_counts"]:
+            differ = [b for b, (got, want) in enumerate(zip(state.refs, step["ref_counts"])) if got != want]
+            first = f": blocks[{differ[0]}].ref_count is {state.refs[differ[0]]}, expected " \
+                    f"{step['ref_counts'][differ[0]]}" if differ else ""
+            raise Mismatch(f"{what}: the blocks' ref counts are {state.refs}, expected {step['ref_counts']}{first}")
+        if cached_blocks(state) != step["cached_blocks"]:
+            raise Mismatch(f"{what}: hash_to_block_id points at blocks {cached_blocks(state)}, expected "
+                           f"{step['cached_blocks']}")
 
 
 # ---- the toy --------------------------------------------------------------------------------------------
@@ -572,12 +586,13 @@ def test_free_empties_the_sequence_and_it_can_be_allocated_again(impl):
     table, cached = list(seq.block_table), seq.num_cached_tokens
     if table or cached != 0:
         raise Mismatch(f"after free the sequence has block_table {table} and num_cached_tokens {cached}, "
-                       f"expected [] and 0")
+                       f"expected block_table [] and 0 cached tokens")
     manager.allocate(seq)  # the same object again, as a scheduler re-admits a preempted sequence
     table, cached = list(seq.block_table), seq.num_cached_tokens
     if (table, cached) != ([0, 1, 4], 8):
         raise Mismatch(f"allocated again after free, the sequence has block_table {table} and num_cached_tokens "
-                       f"{cached}, expected [0, 1, 4] and 8 (two hits, then the leftmost free block)")
+                       f"{cached}, expected block_table [0, 1, 4] and 8 cached tokens (two hits, then the leftmost "
+                       f"free block)")
 
 
 def test_a_partial_block_has_no_hash_and_no_tokens(impl):
@@ -601,11 +616,12 @@ def test_a_partial_block_has_no_hash_and_no_tokens(impl):
                                 or block_id in entries.values()):
             raise Mismatch(f"{what}: the partial block has hash {block.hash} and token_ids {list(block.token_ids)}"
                            f"{' and a cache entry' if block_id in entries.values() else ''}; expected "
-                           f"-1, [] and none")
+                           f"hash -1, token_ids [] and no cache entry")
         if expect_full and (block.hash == -1 or list(block.token_ids) != [5, 6, 7, 8]
                             or entries.get(block.hash) != block_id):
             raise Mismatch(f"{what}: the block just filled has hash {block.hash} and token_ids "
-                           f"{list(block.token_ids)}; expected its chained hash, [5, 6, 7, 8], and a cache entry")
+                           f"{list(block.token_ids)}; expected its chained hash, token_ids [5, 6, 7, 8] and a cache "
+                           f"entry")
 
 
 # ---- random operations (hypothesis) ----------------------------------------------------------------------

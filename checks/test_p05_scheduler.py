@@ -14,6 +14,7 @@ The scheduler sits on the learner's own p01 `BlockManager`; block ids and the fr
 contract, so a p01 that passes its checks is assumed here.
 """
 
+import re
 from dataclasses import dataclass
 
 import pytest
@@ -71,6 +72,28 @@ def prompt_text(prompt) -> str:
 
 def batch_text(batch) -> str:
     return "[" + ", ".join(f"{name} {n}" for name, n in batch) + "]"
+
+
+def count(n: int, unit: str) -> str:
+    """"1 block", "3 blocks": a number with what it counts."""
+    return f"{n} {unit}" if n == 1 else f"{n} {unit}s"
+
+
+LIST_SHOWN = 12  # a longer list (nano-vllm's 64 blocks) is shown from its first difference on
+
+
+def differing(got: list, want: list) -> str:
+    """`got` against `want`, whole when short; when long, from the first position where they differ."""
+    if len(got) <= LIST_SHOWN and len(want) <= LIST_SHOWN:
+        return f"{got}, expected {want}"
+    first = next((i for i, (a, b) in enumerate(zip(got, want)) if a != b), min(len(got), len(want)))
+
+    def tail(values: list) -> str:
+        more = ", …" if len(values) > first + LIST_SHOWN else ""
+        return "[" + ("…, " if first else "") + ", ".join(map(str, values[first : first + LIST_SHOWN])) + more + "]"
+
+    return (f"{tail(got)} ({len(got)} in all), expected {tail(want)} ({len(want)} in all): they differ from "
+            f"position {first} on")
 
 
 # ---- the model -------------------------------------------------------------------------------------------
@@ -269,8 +292,9 @@ class Driver:
                 return
             raise
         if refused:
-            self.fail(f"add({name}, a prompt of {len(prompt)}, max_tokens {max_tokens}) was accepted, but "
-                      f"{self.limits[0]} blocks of {self.size} can never hold it: expected a ValueError")
+            self.fail(f"add({name}, a prompt of {count(len(prompt), 'token')}, max_tokens {max_tokens}) was accepted, "
+                      f"but {count(self.limits[0], 'block')} of {self.size} tokens can never hold it: expected a "
+                      f"ValueError")
         if not isinstance(remote, Remote):
             self.fail(f"add({name}, ...) returned {remote!r}, expected the Request it queued")
         self.remotes[name] = remote
@@ -283,42 +307,43 @@ class Driver:
         is compared before postprocess. Returns the batch's names, is_prefill and the finished requests."""
         self.step_number += 1
         k = self.step_number
+        at = f"{self.title}step {k}"  # a toy's messages name its scenario
         self.before = {"waiting": self.queue("waiting"), "running": self.queue("running")}
         expected, expected_prefill = self.model.schedule()
         got = self.scheduler.schedule()
         if not isinstance(got, tuple) or len(got) != 2:
-            self.fail(f"step {k}: schedule() returned {self.shown(got)}, expected a (requests, is_prefill) pair")
+            self.fail(f"{at}: schedule() returned {self.shown(got)}, expected a (requests, is_prefill) pair")
         batch, is_prefill = got
         if not isinstance(batch, list | tuple):
-            self.fail(f"step {k}: schedule() returned {self.shown(batch)} as its requests, expected a list")
-        names = [self.name_of(r, f"step {k}: schedule()'s batch") for r in batch]
+            self.fail(f"{at}: schedule() returned {self.shown(batch)} as its requests, expected a list")
+        names = [self.name_of(r, f"{at}: schedule()'s batch") for r in batch]
         seen = [(name, self.read(r, "num_scheduled_tokens", name)) for name, r in zip(names, batch)]
         if type(is_prefill) is not bool:
-            self.fail(f"step {k}: schedule()'s is_prefill is {is_prefill!r}, expected a bool")
+            self.fail(f"{at}: schedule()'s is_prefill is {is_prefill!r}, expected a bool")
         kind = "prefill" if is_prefill else "decode"
         self.history.append(f"step {k}: {kind} {batch_text(seen)}")
         self.last_batch = seen
         self.batch_rules(k, seen, is_prefill)
         if toy is not None and ([list(b) for b in seen] != toy["batch"] or is_prefill != toy["is_prefill"]):
-            self.fail(f"{self.title}step {k}: the batch is {kind} {batch_text(seen)} (request and "
+            self.fail(f"{at}: the batch is {kind} {batch_text(seen)} (request and "
                       f"num_scheduled_tokens), expected {'prefill' if toy['is_prefill'] else 'decode'} "
                       f"{batch_text(toy['batch'])}")
         want = [(r.name, r.scheduled) for r in expected]
         if self.follow_model and (seen != want or is_prefill != expected_prefill):
-            self.fail(f"step {k}: the batch is {kind} {batch_text(seen)} (request and num_scheduled_tokens), "
+            self.fail(f"{at}: the batch is {kind} {batch_text(seen)} (request and num_scheduled_tokens), "
                       f"expected {'prefill' if expected_prefill else 'decode'} {batch_text(want)}")
         tokens = self.tokens_for(names, sampled)
         if tokens:
             self.history[-1] += f" sampled {ids(map(str, tokens))}"
         finished = self.scheduler.postprocess(batch, tokens)
         if not isinstance(finished, list | tuple):
-            self.fail(f"step {k}: postprocess returned {self.shown(finished)}, expected the list of finished requests")
-        finished_names = [self.name_of(r, f"step {k}: postprocess's finished requests") for r in finished]
+            self.fail(f"{at}: postprocess returned {self.shown(finished)}, expected the list of finished requests")
+        finished_names = [self.name_of(r, f"{at}: postprocess's finished requests") for r in finished]
         expected_finished = [r.name for r in self.model.postprocess(expected, tokens)]
         if finished_names:
             self.history[-1] += f" finished {ids(finished_names)}"
         if self.follow_model and finished_names != expected_finished:
-            self.fail(f"step {k}: postprocess returned the finished requests {ids(finished_names)}, "
+            self.fail(f"{at}: postprocess returned the finished requests {ids(finished_names)}, "
                       f"expected {ids(expected_finished)}")
         self.done |= set(finished_names)
         self.check_state(k, finished_names)
@@ -389,28 +414,32 @@ class Driver:
     # -- the rules --
     def batch_rules(self, k: int, batch: list[tuple[str, int]], is_prefill: bool) -> None:
         """What any batch keeps, whatever the state: one kind of work, and the caps."""
+        at = f"{self.title}step {k}"  # a toy's messages name its scenario
         source = "waiting" if is_prefill else "running"
         strays = [name for name, _ in batch if name not in self.before[source]]
         were = "was" if len(strays) == 1 else "were"
         if strays and is_prefill:
-            self.fail(f"step {k}: the prefill batch {batch_text(batch)} also decodes {ids(strays)}, which {were} "
+            self.fail(f"{at}: the prefill batch {batch_text(batch)} also decodes {ids(strays)}, which {were} "
                       f"running: a step is prefill or decode, never both")
         if strays:
-            self.fail(f"step {k}: the decode batch {batch_text(batch)} holds {ids(strays)}, which {were} not "
+            self.fail(f"{at}: the decode batch {batch_text(batch)} holds {ids(strays)}, which {were} not "
                       f"running: a step is prefill or decode, never both")
         if len({name for name, _ in batch}) != len(batch):
-            self.fail(f"step {k}: a request is twice in the batch {batch_text(batch)}")
+            self.fail(f"{at}: a request is twice in the batch {batch_text(batch)}")
         if len(batch) > self.max_num_seqs:
-            self.fail(f"step {k}: {len(batch)} requests in the batch {batch_text(batch)}, over max_num_seqs "
+            self.fail(f"{at}: {len(batch)} requests in the batch {batch_text(batch)}, over max_num_seqs "
                       f"{self.max_num_seqs}")
-        if any(n < 1 for _, n in batch):
-            self.fail(f"step {k}: the batch {batch_text(batch)} schedules no token for a request")
+        idle = [name for name, n in batch if n < 1]
+        if idle:
+            self.fail(f"{at}: the batch {batch_text(batch)} (request and num_scheduled_tokens) schedules no token "
+                      f"for {ids(idle)}: every request in a batch computes at least 1 token")
         total = sum(n for _, n in batch)
         if is_prefill and total > self.budget:
-            self.fail(f"step {k}: the prefill batch {batch_text(batch)} computes {total} tokens, over "
+            self.fail(f"{at}: the prefill batch {batch_text(batch)} computes {total} tokens, over "
                       f"max_num_batched_tokens {self.budget}")
         if not is_prefill and any(n != 1 for _, n in batch):
-            self.fail(f"step {k}: the decode batch {batch_text(batch)} must schedule 1 token per request")
+            self.fail(f"{at}: the decode batch {batch_text(batch)} (request and num_scheduled_tokens) must "
+                      f"schedule 1 token per request")
 
     def check_state(self, k: int, finished: list[str]) -> None:
         waiting, running = self.queue("waiting"), self.queue("running")
@@ -419,7 +448,8 @@ class Driver:
         where = f"{self.title}after step {k}"
         n = len(refs)
         if len(set(free)) != len(free) or set(free) & set(used) or set(free) | set(used) != set(range(n)):
-            self.fail(f"{where}: free {free} and used {used} are not a partition of the {n} blocks")
+            self.fail(f"{where}: block_manager's free_block_ids {free} and used_block_ids {used} are not a partition "
+                      f"of its {count(n, 'block')}")
         for name in finished:
             table = self.read(self.remotes[name], "block_table", name)
             if table:
@@ -436,10 +466,13 @@ class Driver:
         for block in range(n):
             holders = ids(name for name, _ in owners.get(block, []))
             if block in free and block in owners:
-                self.fail(f"{where}: block {block} is free, but it is in the block table of {holders}")
+                self.fail(f"{where}: block {block} is in block_manager.free_block_ids, but it is in the block table "
+                          f"of {holders}")
             if refs[block] != len(owners.get(block, [])):
-                self.fail(f"{where}: block {block} has ref_count {refs[block]}, but the block tables of "
-                          f"{len(owners.get(block, []))} waiting or running requests hold it {holders}")
+                held = len(owners.get(block, []))
+                by = f"the block tables of {count(held, 'waiting or running request')} hold it: {holders}" if held \
+                    else "no waiting or running request's block table holds it"
+                self.fail(f"{where}: block_manager.blocks[{block}].ref_count is {refs[block]}, but {by}")
         for block, holders in owners.items():
             prefixes = {(j, tuple(live[name].tokens[: (j + 1) * self.size])) for name, j in holders}
             full = all(len(live[name].tokens) >= (j + 1) * self.size for name, j in holders)
@@ -453,14 +486,17 @@ class Driver:
             if name in running:
                 need = -(-(len(seen.tokens) - 1) // self.size)  # every token but the last, sampled last step
                 if len(seen.table) != need:
-                    self.fail(f"{where}: running {name} has {len(seen.tokens)} tokens in {len(seen.table)} blocks "
-                              f"{seen.table}, expected {need} (every token but the last has a slot)")
+                    self.fail(f"{where}: running {name} has {count(len(seen.tokens), 'token')} in "
+                              f"{count(len(seen.table), 'block')} {seen.table}, expected {count(need, 'block')} of "
+                              f"{self.size} tokens (a slot for every token but the last, which the step just sampled)")
             elif seen.table and len(seen.table) != -(-len(seen.tokens) // self.size):
-                self.fail(f"{where}: waiting {name} has {len(seen.tokens)} tokens in {len(seen.table)} blocks, "
-                          f"expected {-(-len(seen.tokens) // self.size)}")
+                need = -(-len(seen.tokens) // self.size)
+                self.fail(f"{where}: waiting {name} has {count(len(seen.tokens), 'token')} in "
+                          f"{count(len(seen.table), 'block')} {seen.table}, expected {count(need, 'block')} of "
+                          f"{self.size} tokens (a slot for every token, allocated before its prefill)")
             elif not seen.table and seen.computed != 0:
                 self.fail(f"{where}: waiting {name} holds no blocks but has num_computed_tokens {seen.computed}, "
-                          f"expected 0 (its K/V is gone with its blocks)")
+                          f"expected 0 computed tokens (its K/V is gone with its blocks)")
         if not self.follow_model:
             return
         model = self.model
@@ -469,14 +505,18 @@ class Driver:
             if got != want:
                 self.fail(f"{where}: {field} is {ids(got)}, expected {ids(want)}")
         if free != model.cache.free:
-            self.fail(f"{where}: free_block_ids is {free}, expected {model.cache.free}")
+            self.fail(f"{where}: block_manager.free_block_ids is {differing(free, model.cache.free)}")
         for name, seen in live.items():
             mine = self.models[name]
-            for field, got, want in (("token_ids", seen.tokens, mine.tokens), ("block_table", seen.table, mine.table),
-                                     ("num_computed_tokens", seen.computed, mine.computed),
-                                     ("status", seen.status, mine.status)):
-                if got != want:
-                    self.fail(f"{where}: {name}'s {field} is {got!r}, expected {want!r}")
+            if seen.tokens != mine.tokens:
+                self.fail(f"{where}: {name}'s token_ids is {differing(seen.tokens, mine.tokens)}")
+            if seen.table != mine.table:
+                self.fail(f"{where}: {name}'s block_table is {differing(seen.table, mine.table)}")
+            if seen.computed != mine.computed:
+                self.fail(f"{where}: {name}'s num_computed_tokens is {seen.computed!r}, expected "
+                          f"{count(mine.computed, 'computed token')}")
+            if seen.status != mine.status:
+                self.fail(f"{where}: {name}'s status is {seen.status!r}, expected {mine.status!r}")
         for name in finished:
             status = self.read(self.remotes[name], "status", name)
             if status != FINISHED:
@@ -502,19 +542,39 @@ class Driver:
         if callable(sampled):
             return [sampled() for _ in names]
         if len(sampled) != len(names):  # the learner's batch is not the toy's; the model check said why
-            self.fail(f"step {self.step_number}: the batch has {len(names)} requests, the toy samples "
-                      f"{len(sampled)} tokens")
+            self.fail(f"step {self.step_number}: the batch has {count(len(names), 'request')}, the toy samples "
+                      f"{count(len(sampled), 'token')}")
         return list(sampled)
 
-    def expect(self, what: str, got, want) -> None:
-        """A rule stated by hand in a check (beside the model's): `what` is, e.g., "after step 2: waiting"."""
-        if got != want:
-            self.fail(f"{what} is {got}, expected {want}")
+    def expect(self, what: str, got, want, unit: str = "", why: str = "") -> None:
+        """A rule stated by hand in a check (beside the model's): `what` names the thing, e.g. "after step 2:
+        waiting"; a list of request names reads [A, B]; `unit` says what a number counts ("computed token");
+        `why` is the rule, said after the values."""
+        if got == want:
+            return
+        because = f" ({why})" if why else ""
+        both = [*got, *want] if isinstance(got, list | tuple) and isinstance(want, list) else [0]
+        if all(isinstance(x, str) for x in both):  # request names
+            self.fail(f"{what} is {ids(got)}, expected {ids(want)}{because}")
+        shown = count(want, unit) if unit and isinstance(want, int) else want
+        self.fail(f"{what} is {got}, expected {shown}{because}")
+
+    def expect_queues(self, k: int, waiting: list[str], running: list[str]) -> None:
+        """Both queues after step `k`, in order, stated by hand in a check."""
+        self.expect(f"after step {k}: waiting", self.queue("waiting"), waiting)
+        self.expect(f"after step {k}: running", self.queue("running"), running)
+
+    def expect_step(self, k: int, names: list[str], is_prefill: bool, want: list[str], want_prefill: bool) -> None:
+        """The kind of step `k` and its requests, stated by hand in a check."""
+        if (names, is_prefill) != (want, want_prefill):
+            kind, wanted = ("prefill" if is_prefill else "decode"), ("prefill" if want_prefill else "decode")
+            self.fail(f"step {k}: the batch is {kind} {ids(names)}, expected {wanted} {ids(want)}")
 
     def expect_batch(self, k: int, want: list[tuple[str, int]]) -> None:
         """The batch of step `k` (the last one), stated by hand in a check."""
         if self.last_batch != want:
-            self.fail(f"step {k}: the batch is {batch_text(self.last_batch)}, expected {batch_text(want)}")
+            self.fail(f"step {k}: the batch is {batch_text(self.last_batch)} (request and num_scheduled_tokens), "
+                      f"expected {batch_text(want)}")
 
     def fail(self, text: str) -> None:
         raise Mismatch(text + steps_so_far(self.history))
@@ -537,8 +597,13 @@ def steps_so_far(history: list[str]) -> str:
     return f" · steps: {text}"
 
 
+# a repr such as <kvlab_impl_0.p05_scheduler.Request object at 0x7f…>
+OBJECT_REPR = re.compile(r"<(?:\w+\.)*(\w+) object at 0x[0-9a-f]+>")
+
+
 def with_history(method):
-    """A crash of the learner's code inside a step carries the steps so far, in words, on its one line too."""
+    """A crash of the learner's code inside a step carries the steps so far, in words, on its one line too; one in
+    p01's file says that the scheduler reached it through the BlockManager."""
 
     def run(self, *args, **kwargs):
         try:
@@ -547,6 +612,9 @@ def with_history(method):
             text = str(error)
             if " · steps: " in text or "did not return within" in text or "hung in an earlier" in text:
                 raise
+            text = OBJECT_REPR.sub(r"<\1 object>", text)  # the worker's package name and address say nothing
+            if "p01_block_manager.py line" in text:
+                text += " · in the p01 BlockManager your scheduler calls (./check.sh p01 checks it on its own)"
             raise LearnerError(text + steps_so_far(self.history), error.identifiable) from None
 
     return run
@@ -579,14 +647,14 @@ def play_toy(impl, scenario: dict) -> None:
                        f"{ids(got)}, expected {ids(want)}")
         free = d.blocks()[0]
         if free != step["free"]:
-            d.fail(f"{where}: free_block_ids is {free}, expected {step['free']}")
+            d.fail(f"{where}: block_manager.free_block_ids is {differing(free, step['free'])}")
         for name, table in step["block_tables"].items():
             seen = d.request(name)
             if seen.table != table:
                 d.fail(f"{where}: {name}'s block_table is {seen.table}, expected {table}")
             if seen.computed != step["num_computed_tokens"][name]:
                 d.fail(f"{where}: {name}'s num_computed_tokens is {seen.computed}, expected "
-                       f"{step['num_computed_tokens'][name]}")
+                       f"{count(step['num_computed_tokens'][name], 'computed token')}")
     for name, want in scenario["completions"].items():
         tokens = d.request(name).tokens
         if tokens[len(prompts[name]) :] != want:
@@ -610,9 +678,9 @@ def test_prefill_comes_before_decode(impl):
     d.step()  # prefill [A 3]; A runs
     d.add(1, [4, 5], 2)
     names, is_prefill, _ = d.step()  # B waits: prefill [B 2], A is not decoded
-    d.expect("step 2: (batch, is_prefill)", (names, is_prefill), (["B"], True))
+    d.expect_step(2, names, is_prefill, ["B"], True)
     names, is_prefill, _ = d.step()  # nothing waits: decode [A 1, B 1]
-    d.expect("step 3: (batch, is_prefill)", (names, is_prefill), (["A", "B"], False))
+    d.expect_step(3, names, is_prefill, ["A", "B"], False)
     d.run_to_the_end()
 
 
@@ -624,7 +692,7 @@ def test_a_step_never_mixes_prefill_and_decode(impl):
     d.add(1, [10, 11, 12, 13, 14, 15, 16, 17], 2)
     d.step()  # B costs 8 > 6: prefill [B 6], a chunk
     names, is_prefill, _ = d.step()  # B's last 2 tokens: 4 tokens and 3 seats are left, but A is not decoded
-    d.expect("step 3: (batch, is_prefill)", (names, is_prefill), (["B"], True))
+    d.expect_step(3, names, is_prefill, ["B"], True)
     d.run_to_the_end()
 
 
@@ -672,8 +740,10 @@ def test_only_the_first_request_of_a_step_is_chunked(impl):
     d.add(2, [21, 22], 1)
     d.step()  # A costs 5; B is allocated, costs 6 > 3 left: the step ends, C is not even allocated
     d.expect_batch(1, [("A", 5)])
-    d.expect("after step 1: (waiting, B's blocks, C's blocks)",
-             (d.queue("waiting"), len(d.request("B").table), d.request("C").table), (["B", "C"], 2, []))
+    d.expect("after step 1: waiting", d.queue("waiting"), ["B", "C"])
+    d.expect("after step 1: the number of blocks B holds", len(d.request("B").table), 2, "block",
+             "B keeps the blocks it was given before it ended the step")
+    d.expect("after step 1: C's block_table", d.request("C").table, [], why="the step ended at B, before C")
     d.step()  # prefill [B 6, C 2]
     d.expect_batch(2, [("B", 6), ("C", 2)])
     d.check_finished()
@@ -686,11 +756,13 @@ def test_a_chunk_advances_computed_tokens_and_discards_its_token(impl):
     d.add(0, prompt, 2)
     d.step([50])  # prefill [A 3]: 50 is thrown away
     seen = d.request("A")
-    d.expect("after step 1: A's (token_ids, num_computed_tokens)", (seen.tokens, seen.computed), (prompt, 3))
+    d.expect("after step 1: A's token_ids", seen.tokens, prompt, why="the token sampled after a chunk is discarded")
+    d.expect("after step 1: A's num_computed_tokens", seen.computed, 3, "computed token")
     d.step([51])  # [A 3]: 6 computed
     d.step([52])  # [A 1]: the prompt is complete, 52 is A's first completion token
     seen = d.request("A")
-    d.expect("after step 3: A's (token_ids, num_computed_tokens)", (seen.tokens, seen.computed), (prompt + [52], 7))
+    d.expect("after step 3: A's token_ids", seen.tokens, prompt + [52], why="the prompt is complete: 52 is kept")
+    d.expect("after step 3: A's num_computed_tokens", seen.computed, 7, "computed token")
     d.run_to_the_end()
 
 
@@ -700,9 +772,9 @@ def test_a_request_runs_only_once_its_prompt_is_complete(impl):
     d.add(0, [1, 2, 3, 4, 5, 6], 2)
     d.add(1, [7, 8], 2)
     d.step()  # prefill [A 4], a chunk: A stays in waiting, first
-    d.expect("after step 1: (waiting, running)", (d.queue("waiting"), d.queue("running")), (["A", "B"], []))
+    d.expect_queues(1, waiting=["A", "B"], running=[])
     d.step()  # prefill [A 2, B 2]: both complete
-    d.expect("after step 2: (waiting, running)", (d.queue("waiting"), d.queue("running")), ([], ["A", "B"]))
+    d.expect_queues(2, waiting=[], running=["A", "B"])
     d.run_to_the_end()
 
 
@@ -728,7 +800,7 @@ def test_a_request_preempts_itself_only_when_no_other_is_left(impl):
     d.step()  # prefill [A 2, B 2]: 1 block free
     d.step()  # decode: A takes the free block; B needs one, nobody else runs: B preempts itself
     d.expect_batch(2, [("A", 1)])
-    d.expect("after step 2: (waiting, running)", (d.queue("waiting"), d.queue("running")), (["B"], ["A"]))
+    d.expect_queues(2, waiting=["B"], running=["A"])
     d.step()  # B's 3 tokens need 2 blocks, 1 is free: the prefill ends at once; A decodes (and finishes)
     d.expect_batch(3, [("A", 1)])
     d.step()  # B comes back: [3, 4] is still cached, so it costs 1
@@ -749,8 +821,9 @@ def test_preempted_requests_come_back_first_and_are_recomputed(impl):
     d.step()  # decode: A needs a block, preempts B, which goes in FRONT of C
     d.expect("after step 4: waiting", d.queue("waiting"), ["B", "C"])
     seen = d.request("B")
-    d.expect("after step 4: B's (block_table, num_computed_tokens, status)", (seen.table, seen.computed, seen.status),
-             ([], 0, WAITING))
+    d.expect("after step 4: B's block_table", seen.table, [], why="preempt frees its blocks")
+    d.expect("after step 4: B's num_computed_tokens", seen.computed, 0, "computed token")
+    d.expect("after step 4: B's status", seen.status, WAITING)
     d.step()  # B needs 2 blocks, 1 free: decode [A 1], and A finishes
     d.step()  # B again: its first block [3, b1] is still cached: 2 computed, it costs 2
     d.expect_batch(6, [("B", 2)])
@@ -776,11 +849,11 @@ def test_requests_finish_on_eos_unless_ignore_eos_and_at_max_tokens(impl):
     d.add(1, [2], 3, ignore_eos=True)
     d.add(2, [3], 2)
     _, _, finished = d.step({"A": 5, "B": 0, "C": 6})  # B samples eos but ignores it
-    d.expect("step 1: the finished requests", finished, [])
+    d.expect("step 1: the list of finished requests", finished, [])
     _, _, finished = d.step({"A": 0, "B": 0, "C": 7})  # A stops on eos; C has its 2 tokens
-    d.expect("step 2: the finished requests", finished, ["A", "C"])
+    d.expect("step 2: the list of finished requests", finished, ["A", "C"])
     _, _, finished = d.step({"B": 8})  # B's third token: max_tokens
-    d.expect("step 3: the finished requests", finished, ["B"])
+    d.expect("step 3: the list of finished requests", finished, ["B"])
     d.check_finished()
     d.expect("at the end: B's completion tokens", d.request("B").tokens[1:], [0, 0, 8])
 
@@ -791,7 +864,7 @@ def test_a_finished_request_gives_its_blocks_back(impl):
     d.add(0, [1, 2, 3], 2)
     d.step()  # prefill [A 3]: blocks 0 and 1
     d.step()  # decode: A's second token finishes it: blocks 1, 0 go back, after 2 and 3
-    d.expect("after step 2: free_block_ids", d.blocks()[0], [2, 3, 1, 0])
+    d.expect("after step 2: block_manager.free_block_ids", d.blocks()[0], [2, 3, 1, 0])
     d.add(1, [1, 2, 4], 1)
     d.step()  # B revives the cached block 0
     d.expect_batch(3, [("B", 1)])
@@ -804,7 +877,7 @@ def test_add_refuses_what_the_cache_cannot_hold(impl):
     d.add(0, [1, 2, 3, 4, 5, 6, 7], 1)  # 4 blocks for the prompt alone: refused
     d.add(1, [1, 2], 6)  # 2 + 6 - 1 tokens need 4 blocks: refused
     got = d.scheduler.schedule()
-    d.expect("schedule() with no request", got, ([], False))
+    d.expect("what schedule() returns with no request", got, ([], False))
     d.add(2, [1, 2], 5)  # 2 + 5 - 1 = 6 tokens: 3 blocks, accepted
     d.run_to_the_end()
 

@@ -153,15 +153,15 @@ def engine(impl, run: Run) -> Run:
     outputs = llm.generate([list(p) for p in run.prompts], list(run.params))
     if not isinstance(outputs, list) or len(outputs) != len(run.prompts):
         count = len(outputs) if hasattr(outputs, "__len__") else "?"
-        raise Mismatch(f"generate returned {type(outputs).__name__} of {count} "
-                       f"items, expected a list with one list of tokens per prompt ({len(run.prompts)})")
+        raise Mismatch(f"generate returned {type(outputs).__name__} of {count} items, expected a list with one list "
+                       f"of tokens per prompt ({counted(len(run.prompts), 'prompt')})")
     for i, (out, p) in enumerate(zip(outputs, run.params)):
         if not isinstance(out, list) or not all(type(t) is int for t in out):
             raise Mismatch(f"outputs[{i}] is {type(out).__name__} {str(out)[:40]}, expected a list of ints")
         stopped = run.config.eos_token_id >= 0 and not p.ignore_eos and out and out[-1] == run.config.eos_token_id
         if len(out) > p.max_tokens or (len(out) < p.max_tokens and not stopped):
-            raise Mismatch(f"request {i} has {len(out)} tokens, expected {p.max_tokens} "
-                           f"(max_tokens; no stop token met)")
+            raise Mismatch(f"request {i} has {counted(len(out), 'token')}, expected {counted(p.max_tokens, 'token')} "
+                           f"(its max_tokens; no stop token met)")
     stats = llm.stats
     if not isinstance(stats, dict):
         raise Mismatch(f"LLM.stats is {type(stats).__name__}, expected the dict of counters __init__ sets up")
@@ -190,8 +190,14 @@ def expect_greedy(run: Run, seed: int, layout: str, what: str) -> None:
                 shown = f"{float(row[token]):.3f}" if 0 <= token < row.shape[0] else "out of range"
                 agree = {0: "the first token already differs", 1: "the first token agrees"}.get(
                     step, f"the first {step} tokens agree")
-                raise Mismatch(f"{what}: request {i} (prompt of {len(prompt)}), token {step} is {token}, HF's "
-                               f"argmax is {best} (logit {float(row[best]):.3f} vs {shown}); {agree}")
+                raise Mismatch(f"{what}: request {i} (a prompt of {counted(len(prompt), 'token')}): its new token "
+                               f"{step} is id {token}, HF's argmax is id {best} (logit {float(row[best]):.3f} vs "
+                               f"{shown}); {agree}")
+
+
+def counted(n: int, unit: str) -> str:
+    """"1 token", "3 tokens": a number with what it counts."""
+    return f"{n} {unit}" if n == 1 else f"{n} {unit}s"
 
 
 def expect_count(run: Run, name: str, check, wanted: str) -> None:
@@ -326,7 +332,8 @@ def test_probabilities_masks_are_exact(impl, gen):
         if kept != wanted:
             setting = (f"temperature {temperature[b]:g}, top_k {int(top_k[b])}, top_p {float(top_p[b]):g}")
             raise Mismatch(f"row {b} ({setting}) keeps tokens {kept[:8]}{'…' if len(kept) > 8 else ''}, "
-                           f"expected {wanted[:8]}{'…' if len(wanted) > 8 else ''} ({len(kept)} vs {len(wanted)})")
+                           f"expected {wanted[:8]}{'…' if len(wanted) > 8 else ''} ({counted(len(kept), 'token')} "
+                           f"kept, expected {len(wanted)})")
     expect_close(got, expected.float(), tolerance("sampler", torch.float32), "the kept tokens' probabilities")
 
 
@@ -393,13 +400,14 @@ def test_prefix_hits_are_served_and_counted(request, impl, seed):
         first.outputs = llm.generate([list(p) for p in first.prompts], list(first.params))
         first.stats = dict(llm.stats)
         expect_greedy(first, seed, layout, f"two prompts sharing {n} tokens")
-        expect_count(first, "cached_tokens", lambda got: got == n, f"{n}: the second prompt's two shared blocks")
+        expect_count(first, "cached_tokens", lambda got: got == n,
+                     f"{n} cached tokens: the second prompt's two shared blocks")
         again = Run(first.w, [second_prompt], [Params()], first.config)
         again.outputs = llm.generate([list(second_prompt)], [Params()])
         again.stats = dict(llm.stats)
         expect_greedy(again, seed, layout, "a later prompt sharing the freed blocks")
         expect_count(again, "cached_tokens", lambda got: got == 2 * n,
-                     f"{2 * n} after the second call: its two shared blocks were freed but still cached")
+                     f"{2 * n} cached tokens after the second call: its two shared blocks were freed but still cached")
 
     with_blame(request, impl, scenario)
 
@@ -410,8 +418,8 @@ def test_preemption_keeps_the_tokens(request, impl, seed):
     # One layer and one head: preemption is the scheduler's and the cache's doing, not the layers' (the
     # engine recomputes a preempted request through every layer all the same).
     greedy_against_hf(request, impl, seed, ONE_HEAD, (5, 6, 7), Params(max_tokens=7), Config(num_blocks=6),
-                      "with preemption", ("preemptions", lambda n: n >= 1,
-                                          "at least 1: three requests needing 3 to 4 blocks each share 6 blocks"))
+                      "with preemption", ("preemptions", lambda n: n >= 1, "at least 1 preemption: three requests "
+                                          "needing 3 to 4 blocks each share 6 blocks"))
 
 
 CHUNK_BUDGET = 5  # the token budget that chunks the prompts of 13, 7 and 4 tokens
@@ -422,7 +430,8 @@ def test_chunked_prefill_keeps_the_tokens(request, impl, seed):
     greedy_against_hf(request, impl, seed, "L2-H2-KVH1-D16", (13, 7, 4), Params(max_tokens=4),
                       Config(max_num_batched_tokens=CHUNK_BUDGET), f"chunked prefill (budget {CHUNK_BUDGET})",
                       ("chunked_prefills", lambda n: n >= 2,
-                       f"at least 2: a 13-token prompt under a budget of {CHUNK_BUDGET}"))
+                       f"at least 2 prefill steps that compute part of a prompt: a 13-token prompt under a budget "
+                       f"of {CHUNK_BUDGET}"))
 
 
 def test_stops_at_eos_unless_ignored(request, impl, seed):
@@ -446,7 +455,8 @@ def test_stops_at_eos_unless_ignored(request, impl, seed):
             raise Mismatch(f"with eos_token_id {eos}, the request gave {run.outputs[0]}, expected "
                            f"{probe.outputs[0][: stop_at + 1]} (it stops after emitting the stop token)")
         if run.outputs[1] != probe.outputs[0]:
-            raise Mismatch(f"with ignore_eos the request gave {run.outputs[1]}, expected all 6: {probe.outputs[0]}")
+            raise Mismatch(f"with ignore_eos the request gave {run.outputs[1]}, expected all 6 tokens: "
+                           f"{probe.outputs[0]}")
 
     with_blame(request, impl, scenario)
 
@@ -569,8 +579,9 @@ def test_two_ranks_give_the_tokens_of_one(request, impl, seed):
         if two.outputs != one.outputs:  # both may be right only where HF's two best logits nearly tie
             expect_greedy(two, seed, layout, "on two ranks")
         expect_count(two, "chunked_prefills", lambda n: n >= 1,
-                     "at least 1: prompts of 11, 9 and 5 under a budget of 8")
+                     "at least 1 prefill step that computes part of a prompt: prompts of 11, 9 and 5 tokens under a "
+                     "budget of 8")
         expect_count(two, "cached_tokens", lambda n: n >= len(shared),
-                     f"at least {len(shared)}: two prompts share two full blocks")
+                     f"at least {len(shared)} cached tokens: two prompts share two full blocks")
 
     with_blame(request, impl, scenario)
