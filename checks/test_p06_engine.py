@@ -11,8 +11,9 @@ that prompts are chunked: the tokens must not change, and the engine's counters 
 those things happened. Sampling is checked against the target distribution with a chi-square test
 whose false-alarm rate is stated, and seeded requests must not depend on their batch.
 
-When an engine check fails on your code, it is run again with each of your modules in turn replaced by
-the reference, and the report says which one's replacement makes it pass (not under `grade`).
+When an engine check fails on your code (wrong tokens, or a crash of the worker running it), it is run again
+with each of your modules in turn replaced by the reference, and the report says which one's replacement
+makes it pass (not under `grade`).
 """
 
 import shutil
@@ -250,11 +251,17 @@ def blame(request, impl: Guarded, scenario) -> str:
 
 
 def with_blame(request, impl, scenario) -> None:
+    """`scenario(impl)`; when it gives wrong values or crashes the worker, say which module's reference fixes it."""
     try:
         scenario(impl)
     except Mismatch as failure:
         found = blame(request, impl, scenario)
         raise Mismatch(f"{failure} · {found}" if found else str(failure)) from None
+    except LearnerError as failure:
+        if failure.crash is None:  # a raised error names its own file and line
+            raise
+        found = blame(request, impl, scenario)
+        raise failure.noted(found) if found else failure from None
 
 
 # ---- the toys ------------------------------------------------------------------------------------------

@@ -21,7 +21,9 @@ plain data (weights dataclasses, namespaces) arrive as records with the same fie
 (a `trace`, a `hash_block`) are called back in the checks' process while the call runs.
 """
 
+import ast
 import dataclasses
+import functools
 import os
 import time
 from dataclasses import dataclass, field
@@ -29,7 +31,7 @@ from dataclasses import dataclass, field
 import torch
 
 from . import wire
-from .loader import Implementation
+from .loader import ROOT, Implementation
 from .values import copy_with_layout, whole_storage
 from .worker import DEFAULT_MEMORY_LIMIT, ForkServer, Overran, Sandbox, Session, WorkerGone
 
@@ -44,11 +46,35 @@ class LearnerError(Exception):
     """The learner's code failed in a way that has a one-line explanation.
 
     `identifiable`: the call returned, so its recorded output can be compared with known mistakes.
+    `crash`: the worker died running it (`WorkerGone`); `arguments`: then, the call's arguments in words
+    (`q [9, 8, 16] bf16`), said after the reason as far as `CRASH_REASON_LIMIT` allows.
     """
 
-    def __init__(self, reason: str, identifiable: bool = False):
-        super().__init__(reason)
-        self.identifiable = identifiable
+    def __init__(self, reason: str, identifiable: bool = False, crash: WorkerGone | None = None,
+                 arguments: tuple[str, ...] = ()):
+        super().__init__(with_arguments(reason, arguments))
+        self.identifiable, self.crash, self.head, self.arguments = identifiable, crash, reason, arguments
+
+    def noted(self, note: str) -> "LearnerError":
+        """The same failure with `note` after its reason (before the arguments, which give way first)."""
+        return LearnerError(f"{self.head} · {note}", self.identifiable, self.crash, self.arguments)
+
+
+CRASH_REASON_LIMIT = 280  # characters: the report cuts a reason at 300, and a rank's adds its own words
+
+
+def with_arguments(reason: str, arguments: tuple[str, ...], limit: int = CRASH_REASON_LIMIT) -> str:
+    """`reason; called with q [9, 8, 16] bf16, max_seqlen_q 5`: the arguments that fit within `limit`, then `…`."""
+    if not arguments:
+        return reason
+    head = f"{reason}; called with "
+    shown = []
+    for n, argument in enumerate(arguments):
+        more = n + 1 < len(arguments)
+        if len(head) + len(", ".join([*shown, argument])) + (3 if more else 0) > limit:
+            return head + ", ".join([*shown, "…"]) if shown else reason
+        shown.append(argument)
+    return head + ", ".join(shown)
 
 
 @dataclass(frozen=True)
@@ -219,8 +245,10 @@ class ModuleRun:
             self.epoch += 1
         try:
             reply = self.session.request(message, self.time_limit, what)
-        except (Overran, WorkerGone) as error:
+        except Overran as error:
             raise LearnerError(str(error)) from None
+        except WorkerGone as error:
+            raise LearnerError(str(error), crash=error) from None
         if reply[0] == "not-started":
             raise NotStarted(reply[1])
         if reply[0] in ("raised", "load-error"):
@@ -366,6 +394,9 @@ class Guarded:
         except LearnerError as error:
             if "did not return within" in str(error):
                 _hung.add((self.impl.label, name))
+            if error.crash is not None:  # which call, on what: the worker that could say more is gone
+                shown = arguments_shown(self.stem, name, args, kwargs)
+                raise LearnerError(error.head, crash=error.crash, arguments=shown) from None
             raise
         finally:
             self.slowest = max(self.slowest, time.perf_counter() - started)
@@ -426,6 +457,70 @@ class TensorWatch:
 
     def __exit__(self, *exc) -> None:
         self.guarded.watch = None
+
+
+def arguments_shown(stem: str, name: str, args: tuple, kwargs: dict) -> tuple[str, ...]:
+    """A call's arguments in words, each named as the reference names it: `q [9, 8, 16] bf16`, `max_seqlen_q 5`."""
+    names = reference_parameters(stem).get(name, ())
+    positional = [f"{names[i]} {value_shown(v)}" if i < len(names) else value_shown(v) for i, v in enumerate(args)]
+    return (*positional, *(f"{k} {value_shown(v)}" for k, v in kwargs.items()))
+
+
+@functools.cache
+def reference_parameters(stem: str) -> dict[str, tuple[str, ...]]:
+    """Function (`paged_prefill`), class (its `__init__`) or method (`LLM.generate`) -> its parameters' names in
+    `solutions/<stem>.py`, read from its syntax (nothing of it runs here); a learner's signature is the same."""
+    try:
+        tree = ast.parse((ROOT / "solutions" / f"{stem}.py").read_text(encoding="utf-8"))
+    except (OSError, SyntaxError, ValueError):
+        return {}
+
+    def parameters(node: ast.FunctionDef, method: bool) -> tuple[str, ...]:
+        found = tuple(a.arg for a in node.args.posonlyargs + node.args.args)
+        return found[1:] if method else found
+
+    found = {}
+    for node in tree.body:
+        if isinstance(node, ast.FunctionDef):
+            found[node.name] = parameters(node, False)
+        elif isinstance(node, ast.ClassDef):
+            for item in node.body:
+                if isinstance(item, ast.FunctionDef):
+                    found[f"{node.name}.{item.name}"] = parameters(item, True)
+                    if item.name == "__init__":
+                        found[node.name] = parameters(item, True)
+    return found
+
+
+SHORT_DTYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32", torch.float64: "fp64"}
+
+
+def value_shown(value, depth: int = 0) -> str:
+    """An argument in a few words: a tensor as `[4, 8, 16] bf16`, numbers as they are, a short list item by item,
+    anything else by its kind (`list of 12`, `a KVCache`)."""
+    if isinstance(value, torch.Tensor):
+        shown = f"{list(value.shape)} {SHORT_DTYPES.get(value.dtype, dtype_name(value.dtype))}"
+        return shown if value.device.type == "cpu" else f"{shown} {value.device.type}"
+    if value is None or type(value) in (bool, int):
+        return repr(value)
+    if type(value) is float:
+        return f"{value:g}"
+    if type(value) is str:
+        return repr(value) if len(value) <= 24 else repr(value[:20])[:-1] + "…'"
+    if isinstance(value, torch.dtype):
+        return dtype_name(value)
+    if isinstance(value, Remote):
+        return f"a {value._class_name}"
+    if type(value) in (list, tuple):
+        items = [value_shown(v, depth + 1) for v in value] if depth == 0 and len(value) <= 4 else None
+        if items is not None and sum(map(len, items)) <= 40:
+            return ("[{}]" if type(value) is list else "({},)" if len(items) == 1 else "({})").format(", ".join(items))
+        return f"{type(value).__name__} of {len(value)}"
+    if type(value) is dict:
+        return f"dict of {len(value)}"
+    if callable(value):
+        return "a function"
+    return f"a {type(value).__name__}"
 
 
 def argument_label(key) -> str:

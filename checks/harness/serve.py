@@ -17,6 +17,7 @@ this file and its three companions as text (see `worker.py`).
 """
 
 import ctypes
+import faulthandler
 import json
 import os
 import resource
@@ -535,7 +536,7 @@ class ForkServer:
             if not ready:
                 continue
             try:
-                data, fds, _, _ = socket.recv_fds(self.control, 1 << 16, 1)
+                data, fds, _, _ = socket.recv_fds(self.control, 1 << 16, 2)
             except OSError:
                 data, fds = b"", []
             if not data:
@@ -543,7 +544,7 @@ class ForkServer:
                 return
             request = wire.unpack(data)
             if request[0] == "spawn":
-                self.control.send(wire.pack(("spawned", self.spawn(fds[0]))))
+                self.control.send(wire.pack(("spawned", self.spawn(*fds[:2]))))
             elif request[0] == "kill":
                 self.control.send(wire.pack(("ended", self.kill(request[1]))))
             elif request[0] == "ended":
@@ -554,12 +555,18 @@ class ForkServer:
                 self.control.send(wire.pack(("stopped",)))
                 return
 
-    def spawn(self, channel_fd: int) -> int:
+    def spawn(self, channel_fd: int, stderr_fd: int | None = None) -> int:
+        """A worker on the socket `channel_fd`, its standard error going to `stderr_fd` (a memory file the checks
+        read after each request), where Python's fault handler also writes the frames running when it crashes."""
         pid = os.fork()
         if pid == 0:  # the worker
             code = 0
             try:
                 self.control.close()
+                if stderr_fd is not None:
+                    os.dup2(stderr_fd, 2)
+                    os.close(stderr_fd)
+                faulthandler.enable(all_threads=True)  # SIGSEGV, SIGABRT, ...: where it was, before it dies
                 self.become_worker()
                 Worker(socket.socket(fileno=channel_fd)).serve()
             except BaseException:  # noqa: BLE001 - a bug of the worker side itself: say so, exit 70
@@ -570,6 +577,8 @@ class ForkServer:
             finally:
                 os._exit(code)
         os.close(channel_fd)
+        if stderr_fd is not None:
+            os.close(stderr_fd)
         self.workers[pid] = {"note": ""}
         return pid
 

@@ -23,6 +23,7 @@ import gc
 import itertools
 import json
 import os
+import re
 import shutil
 import signal
 import socket
@@ -35,6 +36,7 @@ from pathlib import Path
 
 from . import wire
 from .limits import Cgroup
+from .loading import Package
 
 HERE = Path(__file__).resolve().parent
 SHIPPED = ("values", "wire", "loading", "textgen", "serve")  # the worker side, run as text (imports only stdlib + torch)
@@ -57,7 +59,8 @@ CHECKS_SIDE = ("book", "pytest", "_pytest", "pluggy", "py", "iniconfig", "hypoth
 
 
 class WorkerGone(Exception):
-    """The worker exited, died or was killed; the message says how, in words."""
+    """The worker exited, died or was killed; the message says how, in words (and, where Python's fault handler
+    saw it crash in the learner's code, where)."""
 
 
 class Overran(Exception):
@@ -252,14 +255,15 @@ class ForkServer:
             raise WorkerGone(f"the worker process could not start{where} (exit status {code})")
         self.ready = True
 
-    def spawn(self) -> tuple[int, socket.socket]:
+    def spawn(self, stderr_fd: int) -> tuple[int, socket.socket]:
+        """A new worker: its pid and this end of its socket. Its standard error goes to `stderr_fd` (`Stderr`)."""
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         with self.lock:
             try:
-                reply = self._ask(("spawn",), [theirs.fileno()])
+                reply = self._ask(("spawn",), [theirs.fileno(), stderr_fd])
             except WorkerGone:  # one restart: a learner's worker may have killed the server (it is its parent)
                 self.stop()
-                reply = self._ask(("spawn",), [theirs.fileno()])
+                reply = self._ask(("spawn",), [theirs.fileno(), stderr_fd])
         theirs.close()
         return reply[1], ours
 
@@ -387,6 +391,89 @@ class Forked:
 _generations = itertools.count(1)
 
 
+class Stderr:
+    """A worker's standard error: a memory file that the worker (and every process it starts) writes, read here
+    after each request. What the learner's code printed there is passed on to this process's standard error as
+    it was (unless the server is quiet); what Python's fault handler writes as the worker crashes (from "Fatal
+    Python error:" on: the frames each thread was running) is kept in `dump`, to say where it crashed."""
+
+    READ_LIMIT = 1 << 20  # bytes read after a request; a worker that prints more in one request loses the rest
+
+    def __init__(self, quiet: bool):
+        self.fd = os.memfd_create("kvlab-worker-stderr", os.MFD_CLOEXEC)
+        self.quiet = quiet
+        self.dump = ""
+
+    def take(self) -> None:
+        """Read what was written since the last time, and empty the file for what comes next."""
+        try:
+            size = os.fstat(self.fd).st_size
+            if not size:
+                return
+            data = os.pread(self.fd, min(size, self.READ_LIMIT), 0)
+            os.ftruncate(self.fd, 0)
+            os.lseek(self.fd, 0, os.SEEK_SET)  # the worker's offset too: the file's description is shared
+        except OSError:
+            return
+        text = data.replace(b"\0", b"").decode("utf-8", "surrogateescape")
+        crash = FATAL.search(text)
+        if crash is not None:  # the fault handler's report ends with the line of extension modules, if it has one
+            end = DUMP_END.search(text, crash.start())
+            end = end.end() if end is not None else len(text)
+            text, self.dump = text[: crash.start()] + text[end:], text[crash.start():end]
+        if text and not self.quiet:
+            self.forward(text)
+
+    @staticmethod
+    def forward(text: str) -> None:
+        data = text.encode("utf-8", "surrogateescape")
+        try:
+            while data:
+                data = data[os.write(2, data):]
+        except OSError:
+            pass
+
+    def close(self) -> None:
+        self.take()
+        os.close(self.fd)
+
+
+FATAL = re.compile(r"(?m)^Fatal Python error: ")
+DUMP_END = re.compile(r"(?m)^Extension modules: .*\n?")
+FRAME = re.compile(r'^  File "(?P<file>.*)", line (?P<line>\d+) in (?P<function>\S+)\s*$')
+
+
+def crash_site(dump: str, shown_file, what: str) -> str:
+    """Where the learner's code was when the worker crashed, from the fault handler's `dump`: ` at mine/x.py line 12`
+    (in the call the check made), ` in `f` (mine/x.py line 12)`, or ` in `entry` → `f` (...)` where `f` is a helper of
+    the file `entry` is the way into. The crashing thread's frames, else another thread's; "" where none is the
+    learner's. `shown_file`: a frame's file name -> how reports name it (None outside the learner's folder)."""
+    threads, frames = [], None
+    for line in dump.splitlines():
+        if line.startswith(("Current thread", "Thread 0x")):
+            frames = []
+            threads.append((not line.startswith("Current thread"), frames))
+        elif frames is not None and (frame := FRAME.match(line)):
+            shown = shown_file(frame["file"])
+            if shown is not None:
+                frames.append((shown, int(frame["line"]), frame["function"]))
+    found = next((frames for _, frames in sorted(threads, key=lambda t: t[0]) if frames), None)
+    if not found:
+        return ""
+    shown, line, function = found[0]  # innermost first
+    entry = function
+    for file, _, name in found:
+        if file != shown:
+            break
+        entry = name
+    called = what.strip("`").rsplit(".", 1)[-1]  # `paged_prefill`, `LLM.generate`: the call the check made
+    if function == called:
+        return f" at {shown} line {line}"
+    if entry not in (function, called):
+        return f" in `{entry}` → `{function}` ({shown} line {line})"
+    return f" in `{function}` ({shown} line {line})"
+
+
 class Session:
     """One implementation's module in a worker: loaded once, asked many times, replaced when it dies.
 
@@ -399,6 +486,7 @@ class Session:
         self.pid: int | None = None
         self.sock: socket.socket | None = None
         self.generation = 0
+        self.stderr: Stderr | None = None  # the current worker's standard error
         self.loaded = None  # ("loaded", names) or ("load-error", reason) of the current worker
         self.notes: list[tuple] = []  # what the worker noted while calls ran (collectives), oldest first
         self.written: list[tuple] = []  # storage keys (`wire.storage_key`) of the last call's inputs it wrote
@@ -409,7 +497,8 @@ class Session:
     def ensure(self):
         """A live worker with the module imported; returns the load reply."""
         if self.sock is None:
-            self.pid, self.sock = self.server.spawn()
+            self.stderr = Stderr(self.server.quiet)
+            self.pid, self.sock = self.server.spawn(self.stderr.fd)
             self.generation = next(_generations)
             if self.prelude is not None:
                 joined = self._exchange(self.prelude, self.import_limit, "joining the other ranks")
@@ -476,14 +565,18 @@ class Session:
             if self.server.oom_kills() > kills:
                 how = (f"was stopped at the sandbox's memory limit ({self.server.sandbox.cgroup.limit_text()}: memory "
                        "in shared memory and in files under /tmp, /dev/shm and the submission's folder counts too)")
+            self.stderr.take()
+            site = crash_site(self.stderr.dump, Package(*self.spec[:2]).shown_file, what)
             self.end(killed=False)
-            raise WorkerGone(f"{what}: the worker process running it {how}") from None
+            raise WorkerGone(f"{what}: the worker process running it {how}{site}") from None
         except (wire.WireError, RecursionError) as error:
             self.end()
             raise WorkerGone(f"{what}: the worker sent something that is not a reply ({error})") from None
         finally:
             if shared is not None:
                 shared.close()
+            if self.stderr is not None:
+                self.stderr.take()
 
     def _serve_callback(self, reply, callbacks):
         codec = self.codec_for(self)
@@ -501,7 +594,9 @@ class Session:
             if killed:
                 self.server.kill(self.pid)
             self.sock.close()
-        self.sock, self.pid, self.loaded = None, None, None
+        if self.stderr is not None:
+            self.stderr.close()
+        self.sock, self.pid, self.loaded, self.stderr = None, None, None, None
 
     def forget(self) -> None:
         """The check ended: the worker drops the objects it made for it."""
