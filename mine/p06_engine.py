@@ -32,8 +32,10 @@ import atexit
 import ctypes
 import math
 import os
+import re
 import signal
 import socket
+import time
 import traceback
 from dataclasses import dataclass
 from datetime import timedelta
@@ -249,12 +251,19 @@ class TensorParallel:
     in a forked process, importing this folder again and getting the model's tensors through shared
     memory. Either way the model must be on the CPU when the engine starts, and with GPUs rank r moves
     its own shard to GPU r. The ranks join one process group (NCCL on GPUs, gloo on CPUs, over the
-    loopback device) and a gloo group for the calls. Each rank builds its shard with `rank_weights` and a
-    `ModelRunner` on it; rank 0's `prefill` and `decode` send the call and its requests to every rank,
-    then run it on rank 0's shard. When a rank fails the engine ends, and rank 0 raises that rank's error.
+    loopback device) and a gloo group for the calls. Each rank builds its shard with `rank_weights` (and says
+    so, or why it cannot, before rank 0 waits for it to join) and a `ModelRunner` on it; rank 0's `prefill`
+    and `decode` send the call and its requests to every rank, then run it on rank 0's shard. When a rank
+    fails the engine ends, and rank 0 raises the error of the rank that failed first: an error in a rank's
+    own code (the earliest), else a rank that died without a word (a crash), else an error in a collective,
+    which only follows from another rank's failure; what rank 0 met then is the error's note.
     """
 
     GRACE = 1.0  # seconds the other ranks get to end by themselves when one fails
+    OWN_CODE, DIED, IN_A_COLLECTIVE = 0, 1, 2  # how a rank failed, the likeliest first cause first
+
+    class AnotherRankFailed(Exception):
+        """Rank 0 stops because another rank failed: that rank's error is the one raised."""
     # What a freshly started rank runs: this folder as the same package, then the rank's life.
     STARTED_AFRESH = (
         "import importlib, sys, types\n"
@@ -297,8 +306,13 @@ class TensorParallel:
             process.start()
             report.close()
             self._ranks.append((process, reader))
+        self._said: list[list] = [[] for _ in self._ranks]  # what each rank sent: None once sharded, or its failure
         self.closed = False
-        self.runner = self._join(0, address, shard)
+        try:
+            self._wait_for_shards()  # a rank that cannot make its shard never joins: rank 0 must not wait for it
+            self.runner = self._join(0, address, shard)
+        except Exception as error:
+            self._fail(error)
         self.num_blocks = self.runner.k_caches.shape[1]
         atexit.register(self.close)
 
@@ -325,12 +339,49 @@ class TensorParallel:
             dist.broadcast_object_list([(kind, requests)], src=0, group=self.calls)
             return getattr(self.runner, kind)(requests)
         except Exception as error:
-            self.closed = True
-            failure = self._end(kill=True)
+            self._fail(error)
+
+    def _wait_for_shards(self) -> None:
+        """Wait until every rank has made its shard; a rank that failed instead (or died) stops rank 0 here."""
+        for index, (process, reader) in enumerate(self._ranks):
+            while not self._read(index) and process.is_alive():
+                time.sleep(0.01)
+            if self._said[index][:1] != [None]:
+                raise self.AnotherRankFailed()
+
+    def _read(self, index: int) -> list:
+        """What rank `index + 1` has sent so far (read from its pipe, kept in `_said`)."""
+        process, reader = self._ranks[index]
+        try:
+            while reader.poll():
+                self._said[index].append(reader.recv())
+        except (EOFError, OSError):  # the rank has ended: nothing more will come
+            pass
+        return self._said[index]
+
+    def _fail(self, error: Exception):
+        """End every rank, then raise the error of the rank that failed first (rank 0's own included)."""
+        self.closed = True
+        failures = self._end(kill=True)
+        if not isinstance(error, self.AnotherRankFailed):
             in_a_collective = "torch/distributed" in traceback.extract_tb(error.__traceback__)[-1].filename
-            if failure is None or not in_a_collective:  # rank 0's own error says the most
-                raise
-            raise RuntimeError(failure) from None
+            failures.append((self.IN_A_COLLECTIVE if in_a_collective else self.OWN_CODE, time.monotonic(), None))
+        if not failures:  # a rank said nothing and ended well: rank 0's own error is all there is
+            raise error
+        _, _, first = min(failures, key=lambda failure: failure[:2])  # the likeliest cause, then the earliest
+        if first is None:  # rank 0's own error says the most
+            raise error
+        raised = RuntimeError(first)
+        if not isinstance(error, self.AnotherRankFailed):
+            raised.add_note(f"then rank 0: {self._first_sentence(error)}")
+        raise raised from None
+
+    @staticmethod
+    def _first_sentence(error: BaseException) -> str:
+        """An error in a few words: its first sentence, without the C++ file a backend's message starts with."""
+        line = (str(error).strip().splitlines() or [""])[0]
+        line = re.sub(r"^\[[^\]]*\]\s*", "", line).split(". ")[0]
+        return f"{type(error).__name__}: {line[:120]}"
 
     def _join(self, rank: int, address: str, shard) -> ModelRunner:
         """Join the process groups as `rank` and build the rank's runner on its shard."""
@@ -357,7 +408,9 @@ class TensorParallel:
                 ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG: end when rank 0's process does
             except (AttributeError, OSError):
                 pass
-            runner = self._join(rank, address, rank_weights(model, rank, self.world_size))
+            shard = rank_weights(model, rank, self.world_size)
+            report.send(None)  # sharded: rank 0 may join now
+            runner = self._join(rank, address, shard)
             while True:
                 message = [None]
                 dist.broadcast_object_list(message, src=0, group=self.calls)
@@ -369,7 +422,8 @@ class TensorParallel:
         except BaseException as error:  # noqa: BLE001 - sent to rank 0, which raises it
             frame = traceback.extract_tb(error.__traceback__)[-1]
             where = f" ({os.path.basename(frame.filename)}, line {frame.lineno}, in {frame.name})"
-            report.send(f"rank {rank}: {type(error).__name__}: {error}{where}"[:4000])
+            kind = self.IN_A_COLLECTIVE if "torch/distributed" in frame.filename else self.OWN_CODE
+            report.send((kind, time.monotonic(), f"rank {rank}: {type(error).__name__}: {error}{where}"[:4000]))
             raise SystemExit(1) from None
 
     @classmethod
@@ -382,23 +436,35 @@ class TensorParallel:
         ranks.use_gpus = serves_on_gpus()
         ranks._serve(rank, address, whole, report)
 
-    def _end(self, kill: bool) -> str | None:
+    def _end(self, kill: bool) -> list[tuple]:
         """Wait for every other rank to end (after `GRACE` seconds, end it, when `kill`) and leave the
-        process groups; returns the first failed rank's error, if one failed."""
-        failure = None
-        for process, reader in self._ranks:
+        process groups; returns how each rank that failed did: (kind, when, its error in words)."""
+        failures = []
+        for index, (process, reader) in enumerate(self._ranks):
             process.join(self.GRACE if kill else 60.0)
-            if process.is_alive():
+            stopped = process.is_alive()  # still running: ended here, so not a failure of its own
+            if stopped:
                 process.kill()
                 process.join()
-            try:
-                failure = failure or (reader.recv() if reader.poll() else None)
-            except EOFError:  # the rank ended without a word: it did not fail
-                pass
+            said = [message for message in self._read(index) if message is not None]
             reader.close()
+            if said:
+                failures.append(said[0])
+            elif process.exitcode and not stopped:  # it died without a word: a crash, or an exit of its own
+                failures.append((self.DIED, time.monotonic(), f"rank {index + 1} {self._ended(process.exitcode)}"))
         self._ranks = []
-        dist.destroy_process_group()
-        return failure
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        return failures
+
+    @staticmethod
+    def _ended(exitcode: int) -> str:
+        """An exit code in words: `was killed by SIGSEGV (a crash in native code)`, `exited with status 3`."""
+        if exitcode >= 0:
+            return f"exited with status {exitcode}"
+        name = signal.Signals(-exitcode).name
+        crash = " (a crash in native code)" if name in ("SIGSEGV", "SIGBUS", "SIGABRT", "SIGILL", "SIGFPE") else ""
+        return f"was killed by {name}{crash}"
 
 
 class LLM:

@@ -48,16 +48,19 @@ class LearnerError(Exception):
     `identifiable`: the call returned, so its recorded output can be compared with known mistakes.
     `crash`: the worker died running it (`WorkerGone`); `arguments`: then, the call's arguments in words
     (`q [9, 8, 16] bf16`), said after the reason as far as `CRASH_REASON_LIMIT` allows.
+    `detail`: one short line the report shows under the reason (what followed from the failure: the other ranks'
+    errors; what a distributed backend printed).
     """
 
     def __init__(self, reason: str, identifiable: bool = False, crash: WorkerGone | None = None,
-                 arguments: tuple[str, ...] = ()):
+                 arguments: tuple[str, ...] = (), detail: str = ""):
         super().__init__(with_arguments(reason, arguments))
         self.identifiable, self.crash, self.head, self.arguments = identifiable, crash, reason, arguments
+        self.detail = detail
 
     def noted(self, note: str) -> "LearnerError":
         """The same failure with `note` after its reason (before the arguments, which give way first)."""
-        return LearnerError(f"{self.head} · {note}", self.identifiable, self.crash, self.arguments)
+        return LearnerError(f"{self.head} · {note}", self.identifiable, self.crash, self.arguments, self.detail)
 
 
 CRASH_REASON_LIMIT = 280  # characters: the report cuts a reason at 300, and a rank's adds its own words
@@ -248,13 +251,15 @@ class ModuleRun:
         except Overran as error:
             raise LearnerError(str(error)) from None
         except WorkerGone as error:
-            raise LearnerError(str(error), crash=error) from None
+            raise LearnerError(str(error), crash=error, detail=error.backend) from None
         if reply[0] == "not-started":
             raise NotStarted(reply[1])
         if reply[0] in ("raised", "load-error"):
             if reply[-1] == "end":  # the worker ends itself (it left threads running): the next check gets a new one
                 self.session.end()
-            raise LearnerError(reply[1])
+            # a second line is the exception's note (`add_note`): a tensor-parallel engine's other ranks
+            reason, _, note = str(reply[1]).partition("\n")
+            raise LearnerError(reason, detail=" · ".join(filter(None, (note, self.session.backend))))
         return reply
 
     def worker_cpu(self) -> float | None:
@@ -396,7 +401,7 @@ class Guarded:
                 _hung.add((self.impl.label, name))
             if error.crash is not None:  # which call, on what: the worker that could say more is gone
                 shown = arguments_shown(self.stem, name, args, kwargs)
-                raise LearnerError(error.head, crash=error.crash, arguments=shown) from None
+                raise LearnerError(error.head, crash=error.crash, arguments=shown, detail=error.detail) from None
             raise
         finally:
             self.slowest = max(self.slowest, time.perf_counter() - started)

@@ -136,11 +136,17 @@ class Package:
         return f" ({frames[-1].filename.rsplit('/', 1)[-1]} line {frames[-1].lineno})" if frames else ""
 
     def describe(self, error: BaseException, stem: str) -> str:
-        """`TypeError: message (mine/m02_thinker_attention.py line 57)`, the learner's deepest line."""
+        """`TypeError: message (mine/m02_thinker_attention.py line 57)`, the learner's deepest line; then, on a
+        second line, the first of the error's notes (`add_note`: what a tensor-parallel engine's rank 0 met when
+        another rank failed), if it has one."""
         where = self.where(error, stem)
         if where.startswith(" line"):
             where = f" ({self.shown_path(stem)}{where})"
-        return f"{type(error).__name__}: {first_line(error)}{where}".replace(": (", " (")
+        said = f"{type(error).__name__}: {first_line(error)}{where}".replace(": (", " (")
+        notes = getattr(error, "__notes__", None)
+        if type(notes) is list and notes and type(notes[0]) is str and first_line(notes[0]):
+            said += "\n" + first_line(notes[0])
+        return said
 
     def not_started(self, error: NotImplementedError, stem: str, name: str) -> str:
         """`<file>: `name` raises NotImplementedError`, naming the sibling module that raised it when the

@@ -9,9 +9,12 @@ calls the function on every rank at once and returns the results in rank order.
 The ranks never meet directly: each collective a rank makes comes here (its part of the data), waits until
 every rank has made its own, and goes back with its share of the result (`Rendezvous`). So every collective
 is counted in this process, where the learner's code cannot reach: `ranks.collectives[r]` lists rank r's in
-the last call. A rank that raises ends every rank, and the
-check gets one line naming it; when the ranks overrun the time limit, the line names the rank that was
-still running its own code while the others waited in a collective (or, if all wait, where each waits).
+the last call. A rank that raises or dies ends every rank, and the check gets one line naming the rank that
+failed first, with its own reason (a collective whose parts do not fit blames the rank whose part it is), and
+one short line under it for what followed on the others (stopped while they waited in a collective, their
+own errors after it) and what a distributed backend printed; when the ranks overrun the time limit, the line
+names the rank that was still running its own code while the others waited in a collective (or, if all wait,
+where each waits).
 A call on every rank is recorded for the mistakes' replays as one `RankCall`, which `mistakes.py` plays
 with threads standing in for the ranks (`simdist.py`).
 """
@@ -62,6 +65,7 @@ class Ranks:
                      for rank in range(world_size)]
         self.guards = [Guarded(run, base.stem, guarded.contracts, base.time_limit) for run in self.runs]
         self.collectives: list[list[str]] = [[] for _ in range(world_size)]
+        self.failed_at: list[float | None] = [None] * world_size  # when each rank's call failed, in the last call
         self.rendezvous = Rendezvous(world_size)
         for rank, run in enumerate(self.runs):
             run.session.on_collective = functools.partial(self._meet, rank)
@@ -118,7 +122,8 @@ class Ranks:
         for run in self.runs:
             run.session.notes.clear()
         self.rendezvous = Rendezvous(self.world_size)
-        futures = [self.pool.submit(job) for job in jobs]
+        self.failed_at = [None] * self.world_size
+        futures = [self.pool.submit(self._timed, rank, job) for rank, job in enumerate(jobs)]
         done, pending = wait(futures, return_when=FIRST_EXCEPTION)
         if pending:  # a rank failed: the others may be about to fail too, or be waiting for it in a collective
             done, pending = wait(futures, timeout=GRACE)
@@ -145,15 +150,23 @@ class Ranks:
         for error in errors:
             if isinstance(error, NotStarted):
                 raise error
-        first = next(e for r, e in enumerate(errors) if e is not None and r not in stopped)
+        first = next((e for r, e in enumerate(errors) if e is not None and r not in stopped), None) or \
+            next(e for e in errors if e is not None)
         # Importing the file is the same on every rank: its failure is said once, as for any other module.
-        reason = str(first) if name is None and "could not join" not in str(first) else \
+        reason, detail = (str(first), "") if name is None and "could not join" not in str(first) else \
             self._reason(errors, what, stopped)
         identifiable = all(e is None or getattr(e, "identifiable", False) for e in errors)
         if not identifiable:
             self.broken = "an earlier call on these ranks failed"
             self.close_workers()
-        raise LearnerError(reason, identifiable=identifiable)
+        raise LearnerError(reason, identifiable=identifiable, detail=detail)
+
+    def _timed(self, rank: int, job):
+        try:
+            return job()
+        except BaseException:
+            self.failed_at[rank] = time.monotonic()
+            raise
 
     def _record(self, name: str) -> None:
         """Every rank's call, as one event of the check's own guard (mistakes are named from it)."""
@@ -166,8 +179,8 @@ class Ranks:
         if name not in self.guarded.called:
             self.guarded.called.append(name)
 
-    def _reason(self, errors: list, what: str, stopped: set) -> str:
-        """One line: which rank failed, and how."""
+    def _reason(self, errors: list, what: str, stopped: set) -> tuple[str, str]:
+        """One line: which rank failed first, and how; and one short line: what followed on the others."""
         overran = [r for r, e in enumerate(errors) if e is not None and "did not return within" in str(e)]
         if overran:
             waiting = {r: self._waiting_in(r) for r in range(self.world_size)}
@@ -175,16 +188,33 @@ class Ranks:
             if running:
                 others = [f"rank {r} in {waiting[r]}" for r in range(self.world_size) if waiting[r]]
                 tail = f" while {', '.join(others)} waited for it" if others else ""
-                return f"rank {running[0]}: {errors[running[0]]}{tail}"
+                return f"rank {running[0]}: {errors[running[0]]}{tail}", ""
             where = ", ".join(f"rank {r} in {waiting[r]}" for r in range(self.world_size))
             return (f"{what} did not return on any rank: each waits in a collective ({where}); every rank must "
-                    f"make the same collectives in the same order")
-        failed = [r for r, e in enumerate(errors) if e is not None and r not in stopped]
-        rank = failed[0]
-        others = sorted(stopped)
-        ranks = f"rank{'s' if len(others) > 1 else ''} {', '.join(map(str, others))}"
-        tail = f" ({ranks} stopped with it)" if others else ""
-        return f"rank {rank}: {errors[rank]}{tail}"
+                    f"make the same collectives in the same order"), ""
+        failed = [r for r, e in enumerate(errors) if e is not None]
+        # A rank stopped here, or one whose collective was given up, failed because another one did; of the rest,
+        # a rank a collective blames (its part did not fit) and then the earliest to fail
+        followed = stopped | self.rendezvous.abandoned
+        culprits = self.rendezvous.culprits
+        rank = min([r for r in failed if r not in followed] or failed,
+                   key=lambda r: (r not in culprits, self.failed_at[r] or 0.0, r))
+        rank = min(r for r in failed if str(errors[r]) == str(errors[rank]))  # all the same: the lowest says it
+        after = []
+        for r in failed:
+            if r == rank:
+                continue
+            if r in followed:
+                waiting = self._waiting_in(r)
+                after.append(f"rank {r} was stopped" + (f" as it waited in {waiting}" if waiting else ""))
+            elif str(errors[r]) == str(errors[rank]):
+                after.append(f"rank {r} failed the same way")
+            else:
+                said = str(errors[r]).removeprefix(f"{what} raised ").removeprefix(f"{what}: ")
+                after.append(f"rank {r} then: {said if len(said) <= 90 else said[:89] + '…'}")
+        backend = next((self.runs[r].session.backend for r in [rank, *failed] if self.runs[r].session.backend), "")
+        detail = "; ".join(after) + (f" · {backend}" if backend and after else backend)
+        return f"rank {rank}: {errors[rank]}", detail
 
     def _waiting_in(self, rank: int) -> str | None:
         """The collective rank `rank` entered last and never left, in words ("its 2nd all_reduce")."""
@@ -211,6 +241,8 @@ class Rendezvous:
         self.parts: dict[int, dict[int, tuple]] = {}  # k -> rank -> (name, part)
         self.answers: dict[int, list] = {}  # k -> each rank's answer
         self.aborted = False
+        self.abandoned: set[int] = set()  # ranks whose collective was given up when another rank failed
+        self.culprits: set[int] = set()  # ranks whose part of a collective did not fit (the others' error follows)
 
     def meet(self, rank: int, name: str, part, deadline: float):
         with self.changed:
@@ -218,10 +250,12 @@ class Rendezvous:
             self.made[rank] += 1
             self.parts.setdefault(k, {})[rank] = (name, part)
             if len(self.parts[k]) == self.world_size:
-                self.answers[k] = combine([self.parts[k][r] for r in range(self.world_size)])
+                self.answers[k], culprits = combine([self.parts[k][r] for r in range(self.world_size)])
+                self.culprits |= culprits
                 self.changed.notify_all()
             while k not in self.answers:
                 if self.aborted:
+                    self.abandoned.add(rank)
                     raise wire.Closed  # another rank failed: this one is ended with it
                 left = deadline - time.monotonic()
                 if left <= 0:
@@ -239,16 +273,34 @@ REDUCE = {"sum": lambda t: t.sum(0), "product": lambda t: t.prod(0), "min": lamb
           "max": lambda t: t.amax(0)}
 
 
-def combine(entered: list[tuple]) -> list[tuple]:
+def combine(entered: list[tuple]) -> tuple[list[tuple], set[int]]:
     """Each rank's answer to one collective, from every rank's (name, part): ("collective-result", share) or,
-    when the ranks' parts do not fit together, ("collective-error", why) for all."""
+    when the ranks' parts do not fit together, ("collective-error", why) for all; and the ranks to blame for
+    that, where the error is one rank's part (a broadcast's tensor that is not the source's shape and dtype)."""
     world = len(entered)
     names = [name for name, _ in entered]
     if len(set(names)) != 1:
         made = ", ".join(f"rank {r} {n}" for r, n in enumerate(names))
         return [("collective-error", f"the ranks made different collectives at once ({made}): every rank must make "
-                                     "the same collectives in the same order")] * world
-    name = names[0]
+                                     "the same collectives in the same order")] * world, set()
+    return _combine(names[0], entered), _misfits(names[0], entered)
+
+
+def _misfits(name: str, entered: list[tuple]) -> set[int]:
+    """The ranks whose broadcast tensor is not the source's shape and dtype (a real backend fails on them)."""
+    if name != "broadcast":
+        return set()
+    try:
+        parts = [dict(part) for _, part in entered]
+        source = parts[parts[0]["src"]]["tensor"]
+        return {r for r, p in enumerate(parts) if (p["tensor"].shape, p["tensor"].dtype) != (source.shape,
+                                                                                             source.dtype)}
+    except Exception:  # noqa: BLE001 - parts that do not fit otherwise: `_combine` says so to every rank
+        return set()
+
+
+def _combine(name: str, entered: list[tuple]) -> list[tuple]:
+    world = len(entered)
     try:
         parts = [dict(part) for _, part in entered]
         if name == "barrier":
@@ -273,7 +325,18 @@ def combine(entered: list[tuple]) -> list[tuple]:
                 return [("collective-result", reduced if r == parts[0]["dst"] else None) for r in range(world)]
             return [("collective-result", reduced)] * world
         if name == "broadcast":
-            return [("collective-result", tensors[parts[0]["src"]])] * world
+            src = parts[0]["src"]
+            wrong = _misfits(name, entered)
+            if wrong:
+                def shown(t: torch.Tensor) -> str:
+                    return f"{list(t.shape)} {str(t.dtype).removeprefix('torch.')}"
+
+                return [("collective-error", f"torch.distributed.broadcast: rank {r}'s tensor is {shown(tensors[r])}, "
+                                             f"the source rank {src}'s {shown(tensors[src])}: every rank passes a "
+                                             f"tensor of the source's shape and dtype") if r in wrong else
+                        ("collective-error", f"torch.distributed.broadcast: rank {min(wrong)}'s tensor did not fit")
+                        for r in range(world)]
+            return [("collective-result", tensors[src])] * world
         if name in ("all_gather", "all_gather_into_tensor"):
             return [("collective-result", tensors)] * world
         if name == "gather":

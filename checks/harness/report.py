@@ -41,6 +41,7 @@ class Result:
     slowest_call_cpu: float = 0.0  # the worker's CPU seconds in its costliest call (0 where not measured)
     time_limit: float = 0.0
     run_seed: int | None = None  # the run's base seed (./check.sh --seed S), from which `seed` is derived
+    detail: str = ""  # one short line under the reason: what followed from the failure (the other ranks' errors)
     # a failing case's distance to each catalogued mistake replayed on it: 0 where it reproduces the learner's
     # outputs (those are `mistakes`), else the share of values it gets wrong (ranks the names: rank_mistakes)
     distances: dict = field(default_factory=dict)
@@ -134,6 +135,7 @@ class Reporter:
             result.status, result.reason = "not started", said(str(error), lines=True)
         elif isinstance(error, (LearnerError, Mismatch)) or type(error) is AssertionError:
             result.status, result.reason = "failed", said(first_line(str(error)))
+            result.detail = said(first_line(getattr(error, "detail", "") or ""), limit=160)
             if isinstance(error, Mismatch) or getattr(error, "identifiable", False):
                 self.distances = {}
                 result.mistakes = self.name_mistakes(item, stem)
@@ -254,6 +256,8 @@ def render(results: list[Result], seed: int, seconds: float, file=None, selectio
                 likely = [m for m in ranking if m in c.mistakes][:SHOWN_MISTAKES]
                 named = f" [yellow]→ looks like {' or '.join(likely)}[/]" if likely else ""
                 indented(f"{case}{escape(c.reason)}{seed_note}{named}")
+                if c.detail:
+                    indented(f"[dim]{escape(c.detail)}[/]", 8)
             if len(bad) > SHOWN_CASES:
                 indented(f"[dim]… and {len(bad) - SHOWN_CASES} more (--json FILE lists every case)[/]")
         if ranking:

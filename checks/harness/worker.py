@@ -60,7 +60,12 @@ CHECKS_SIDE = ("book", "pytest", "_pytest", "pluggy", "py", "iniconfig", "hypoth
 
 class WorkerGone(Exception):
     """The worker exited, died or was killed; the message says how, in words (and, where Python's fault handler
-    saw it crash in the learner's code, where)."""
+    saw it crash in the learner's code, where). `backend`: the line a distributed backend printed last before it
+    (gloo's "terminate called ..."), if one did."""
+
+    def __init__(self, message: str, backend: str = ""):
+        super().__init__(message)
+        self.backend = backend
 
 
 class Overran(Exception):
@@ -392,10 +397,13 @@ _generations = itertools.count(1)
 
 
 class Stderr:
-    """A worker's standard error: a memory file that the worker (and every process it starts) writes, read here
-    after each request. What the learner's code printed there is passed on to this process's standard error as
-    it was (unless the server is quiet); what Python's fault handler writes as the worker crashes (from "Fatal
-    Python error:" on: the frames each thread was running) is kept in `dump`, to say where it crashed."""
+    """A worker's standard error: a memory file that the worker (and every process it starts: a tensor-parallel
+    engine's ranks) writes, read here after each request. What the learner's code printed there is passed on to
+    this process's standard error as it was (unless the server is quiet). Kept back instead: what Python's fault
+    handler writes as the worker crashes (from "Fatal Python error:" on: the frames each thread was running), in
+    `dump`, to say where it crashed; and what torch's distributed backends print (gloo's "terminate called after
+    throwing ...", c10d's log lines, torch.distributed's warnings), the last of it in one line in `backend`, for
+    the reason of a failure: never above the report."""
 
     READ_LIMIT = 1 << 20  # bytes read after a request; a worker that prints more in one request loses the rest
 
@@ -403,6 +411,7 @@ class Stderr:
         self.fd = os.memfd_create("kvlab-worker-stderr", os.MFD_CLOEXEC)
         self.quiet = quiet
         self.dump = ""
+        self.backend = ""  # what a backend said in the last request, in one line ("" if nothing)
 
     def take(self) -> None:
         """Read what was written since the last time, and empty the file for what comes next."""
@@ -421,6 +430,9 @@ class Stderr:
             end = DUMP_END.search(text, crash.start())
             end = end.end() if end is not None else len(text)
             text, self.dump = text[: crash.start()] + text[end:], text[crash.start():end]
+        text, said = backend_noise(text)
+        if said:
+            self.backend = said
         if text and not self.quiet:
             self.forward(text)
 
@@ -441,6 +453,40 @@ class Stderr:
 FATAL = re.compile(r"(?m)^Fatal Python error: ")
 DUMP_END = re.compile(r"(?m)^Extension modules: .*\n?")
 FRAME = re.compile(r'^  File "(?P<file>.*)", line (?P<line>\d+) in (?P<function>\S+)\s*$')
+# What torch's distributed backends print by themselves: a C++ abort ("terminate called ...", its "what():"
+# line), c10d's glog lines, gloo's and NCCL's tags, torch.distributed's Python warnings
+BACKEND = re.compile(r"^(terminate called |\s*what\(\): |(\[rank\d+\]:)?\[[WEFI]\d{4} \d\d:\d\d:\d\d|"
+                     r"\[(Gloo|c10d|NCCL)\]|.*torch/distributed/\S*:\d+: \w*Warning: )")
+BACKEND_STACK = re.compile(r"^(Exception raised from |frame #\d+: )")  # a C++ exception's stack, after its message
+BACKEND_WHERE = re.compile(r"^(\[rank\d+\]:)?\[[^\]]*(\.(cc|cpp|h|hpp|py):\d+|enforce fail at [^\]]*)\]\s*")
+
+
+def backend_noise(text: str) -> tuple[str, str]:
+    """`text` without what a distributed backend printed, and the most telling of that in one line: the message of a
+    C++ abort ("gloo said: ... Received data size doesn't match expected size ..."), else its last log line."""
+    kept, noise, message, last = [], [], "", ""
+    follows = ""  # what may follow the last backend line: "stack" (its C++ stack), "indented" (and indented lines)
+    for line in text.splitlines(keepends=True):
+        bare = line.rstrip("\n")
+        if BACKEND.match(bare):
+            words = bare.strip()
+            abort = words.startswith(("terminate called", "what():"))
+            follows = "indented" if abort or "torch/distributed/" in words else "stack"  # a Python warning's source
+            if words.startswith("what():"):
+                message = message or words.removeprefix("what():").strip()
+            elif not abort:
+                last = words
+        elif not (follows and (BACKEND_STACK.match(bare) or follows == "indented" and bare[:1].isspace())):
+            follows = ""
+            kept.append(line)
+            continue
+        noise.append(bare)
+    said = BACKEND_WHERE.sub("", (message or last).split("Warning: ")[-1]).strip()
+    if not said:
+        return text, ""
+    printed = "\n".join(noise).lower()
+    backend = "gloo" if "gloo" in printed else "nccl" if "nccl" in printed else "torch.distributed"
+    return "".join(kept), f"{backend} said: {said}"
 
 
 def crash_site(dump: str, shown_file, what: str) -> str:
@@ -487,6 +533,7 @@ class Session:
         self.sock: socket.socket | None = None
         self.generation = 0
         self.stderr: Stderr | None = None  # the current worker's standard error
+        self.backend = ""  # what a distributed backend printed during the last request, in one line
         self.loaded = None  # ("loaded", names) or ("load-error", reason) of the current worker
         self.notes: list[tuple] = []  # what the worker noted while calls ran (collectives), oldest first
         self.written: list[tuple] = []  # storage keys (`wire.storage_key`) of the last call's inputs it wrote
@@ -520,6 +567,7 @@ class Session:
         tree = codec.encode(message)
         deadline = time.monotonic() + seconds
         kills = self.server.oom_kills()
+        self.backend = ""
         # A call's inputs cross in shared memory: what the call wrote into them is read here, after it, from this
         # side (a worker can disable any check of its own, or forge its reply, but not this)
         shared = wire.SharedStorages(codec.storages) if message[0] in ("call", "method") and codec.storages else None
@@ -567,8 +615,9 @@ class Session:
                        "in shared memory and in files under /tmp, /dev/shm and the submission's folder counts too)")
             self.stderr.take()
             site = crash_site(self.stderr.dump, Package(*self.spec[:2]).shown_file, what)
+            self.backend = self.stderr.backend
             self.end(killed=False)
-            raise WorkerGone(f"{what}: the worker process running it {how}{site}") from None
+            raise WorkerGone(f"{what}: the worker process running it {how}{site}", self.backend) from None
         except (wire.WireError, RecursionError) as error:
             self.end()
             raise WorkerGone(f"{what}: the worker sent something that is not a reply ({error})") from None
@@ -577,6 +626,7 @@ class Session:
                 shared.close()
             if self.stderr is not None:
                 self.stderr.take()
+                self.backend, self.stderr.backend = self.stderr.backend or self.backend, ""
 
     def _serve_callback(self, reply, callbacks):
         codec = self.codec_for(self)
