@@ -51,6 +51,12 @@ class Check:
         return round(self.points * self.passed / len(self.counted), 2) if self.counted else 0.0
 
     @property
+    def worth(self) -> float:
+        """What the check counts for in the total: nothing when every case was skipped (an oracle or hardware
+        this machine lacks: flash-attn, real weights, a second GPU), so the same work scores the same anywhere."""
+        return self.points if self.counted else 0.0
+
+    @property
     def status(self) -> str:
         return "passed" if self.passed == len(self.counted) else "failed"
 
@@ -82,7 +88,7 @@ def score_lines(checks: list[Check], notices: list[str]) -> list[str]:
     lines, total, most = [], 0.0, 0.0
     for stem in dict.fromkeys(c.module for c in checks):
         mine = [c for c in checks if c.module == stem]
-        got, out_of = sum(c.score for c in mine), sum(c.points for c in mine)
+        got, out_of = sum(c.score for c in mine), sum(c.worth for c in mine)
         total, most = total + got, most + out_of
         lines.append(f"{module_name(stem)}: {got:g} / {out_of:g} points")
     lines.append(f"score: {total:g} / {most:g}")
@@ -98,9 +104,9 @@ def scale(checks: list[Check], points: dict[str, float]) -> None:
     """Make each module in `points` (stem -> points) worth that much: its checks' points in proportion."""
     for stem, wanted in points.items():
         mine = [c for c in checks if c.module == stem]
-        declared = sum(c.points for c in mine)
+        declared = sum(c.worth for c in mine)  # what the module is worth here: its checks that ran
         for c in mine:
-            c.points = round(c.points * wanted / declared, 4) if declared else 0.0
+            c.points = round(c.worth * wanted / declared, 4) if declared else 0.0
 
 
 def gradescope(checks: list[Check], seconds: float, notices: list[str], seed: int,
@@ -113,7 +119,7 @@ def gradescope(checks: list[Check], seconds: float, notices: list[str], seed: in
             "name": f"{module.id if module else check.module} · {check.title}",
             "number": f"{module.id if module else check.module}.{number}",
             "score": check.score,
-            "max_score": check.points,
+            "max_score": check.worth,
             "status": check.status,
             "output": check.output(),
             "visibility": visibility,

@@ -99,3 +99,19 @@ def test_an_upload_without_module_files_says_what_to_upload(autograder):
     results = grade(autograder, {"notes.txt": "I could not finish"})
     assert results["score"] == 0 and results["tests"] == [] and results["visibility"] == "after_due_date"
     assert "No module file found" in results["output"] and f"{STEM}.py" in results["output"]
+
+
+def test_a_check_this_machine_skips_whole_is_out_of_the_total():
+    """A GPU grader skips the CPU-interpreter-only checks (and any machine may lack flash-attn or a second GPU):
+    the reference still scores full marks, out of what was checked."""
+    from checks.grading import checks_of, gradescope, scale
+    from checks.harness.report import Result
+
+    rows = [Result(STEM, "a", "1", "x", "passed", function="test_a", points=3),
+            Result(STEM, "a", "2", "x", "passed", function="test_a", points=3),
+            Result(STEM, "b", "", "x", "skipped", reason="needs two GPUs", function="test_b", points=2)]
+    checks = checks_of(rows)
+    out = gradescope(checks, 1.0, [], 0)
+    assert out["score"] == 3 and sum(t["max_score"] for t in out["tests"]) == 3
+    scale(checks, {STEM: 10})
+    assert [c.score for c in checks] == [10, 0] and [c.worth for c in checks] == [10, 0]

@@ -147,3 +147,20 @@ def test_points_name_exactly_the_checks(stem):
     assert set(namespace["POINTS"]) == checks
     assert all(isinstance(v, int) and v >= 0 for v in namespace["POINTS"].values())
     assert sum(namespace["POINTS"].values()) > 0
+
+
+def test_the_readme_gives_each_module_its_points():
+    """The README's list of what each module is worth is the sum of its POINTS."""
+    import re
+
+    from checks.harness.modules import modules as all_modules
+
+    readme = " ".join((ROOT / "README.md").read_text().split())
+    stated = dict(re.findall(r"\b([mp]\d\d) (\d+)\b", readme.split("a module is worth their sum (", 1)[1].split(")", 1)[0]))
+    for module in all_modules():
+        source = (ROOT / "checks" / f"test_{module.stem}.py").read_text()
+        points = next(node for node in ast.parse(source).body
+                      if isinstance(node, ast.Assign) and getattr(node.targets[0], "id", "") == "POINTS")
+        namespace: dict = {}
+        exec(compile(ast.Module([points], []), "POINTS", "exec"), namespace)
+        assert int(stated.get(module.id, -1)) == sum(namespace["POINTS"].values()), module.id
