@@ -127,12 +127,20 @@ class Package:
         while seen is not None and len(causes) < 8:
             causes.insert(0, seen)
             seen = seen.__cause__ or (None if seen.__suppress_context__ else seen.__context__)  # `from None` ends it
+        own = self.shown_path(stem)
         for cause in causes:
-            for frame in reversed(traceback.extract_tb(cause.__traceback__)):
+            stack = traceback.extract_tb(cause.__traceback__)
+            for frame in reversed(stack):
                 shown = self.shown_file(frame.filename)
                 if shown is not None:
                     line = frame.lineno
-                    return f" line {line}" if shown == self.shown_path(stem) else f" ({shown} line {line})"
+                    if shown == own:
+                        return f" line {line}"
+                    # another of the learner's files: and the line of this module's file that called into it
+                    via = next((f for f in reversed(stack[: stack.index(frame)]) if self.shown_file(f.filename) == own),
+                               None)
+                    led = f", called from `{via.name}` at {own.rsplit('/', 1)[-1]} line {via.lineno}" if via else ""
+                    return f" ({shown} line {line}{led})"
         return f" ({frames[-1].filename.rsplit('/', 1)[-1]} line {frames[-1].lineno})" if frames else ""
 
     def describe(self, error: BaseException, stem: str) -> str:

@@ -9,14 +9,15 @@ import sys
 from checks.harness.loader import ROOT
 
 
-def checked(tmp_path, stem: str, old: str, new: str, *args: str) -> str:
-    """The report of `./check.sh` on the reference with one edit in `stem`."""
+def checked(tmp_path, stem: str, old: str, new: str, *args: str, module: str = "") -> str:
+    """The report of `./check.sh` (of `module`, else `stem`'s) on the reference with one edit in `stem`."""
     folder = tmp_path / "impl"
     shutil.copytree(ROOT / "solutions", folder)
     source = (folder / f"{stem}.py").read_text()
     assert source.count(old) == 1
     (folder / f"{stem}.py").write_text(source.replace(old, new))
-    done = subprocess.run([str(ROOT / "check.sh"), stem.split("_")[0], "--impl", str(folder), "--seed", "3", *args],
+    done = subprocess.run([str(ROOT / "check.sh"), module or stem.split("_")[0], "--impl", str(folder), "--seed", "3",
+                           *args],
                           capture_output=True, text=True, timeout=300,
                           env={**os.environ, "KVLAB_PYTHON": sys.executable, "COLUMNS": "200"})
     assert done.returncode == 1, done.stdout + done.stderr
@@ -41,3 +42,15 @@ def test_a_top_k_that_drops_ties_is_named_as_such_not_as_top_p(tmp_path):
                   '        scaled = scaled.masked_fill(~keep, float("-inf"))', "-k", "probabilities")
     assert "looks like top-k-drops-ties" in out and "top-k-drops-ties — top-k keeps exactly k tokens" in out
     assert "top-p-drops-the-crossing-token" not in out
+
+
+def test_a_failure_in_another_modules_file_says_which_call_of_this_one_led_there(tmp_path):
+    """p05's checks run the learner's p01 through their scheduler: a line of p01 that raises is named, with the
+    scheduler's line that called into it."""
+    out = checked(tmp_path, "p01_block_manager", "    def append(self, seq: Sequence, token_id: int) -> None:\n",
+                  "    def append(self, seq: Sequence, token_id: int) -> None:\n"
+                  "        raise IndexError('list index out of range')\n",
+                  "-k", "toy", module="p05")
+    assert "`Scheduler.schedule` raised IndexError: list index out of range" in out
+    assert "p01_block_manager.py line" in out and "called from `schedule` at p05_scheduler.py line" in out
+    assert "in the p01 BlockManager your scheduler calls" in out  # the reason is cut at 300 characters after it
