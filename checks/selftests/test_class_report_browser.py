@@ -4,7 +4,6 @@ Run alone with `python -m pytest checks/selftests/test_class_report_browser.py -
 are printed). Skipped, with the reason, where Chromium or its driver is not installed.
 """
 
-import os
 from pathlib import Path
 
 import pytest
@@ -14,18 +13,10 @@ from checks.selftests.test_class_report import STATUS, synthetic_class
 
 pytestmark = pytest.mark.browser
 
-CHROMIUM = Path("/usr/bin/chromium")
-DRIVER = Path("/usr/bin/chromedriver")
-if not CHROMIUM.is_file():
-    pytest.skip(f"headless Chromium is not installed ({CHROMIUM}); apt-get install -y chromium chromium-driver",
-                allow_module_level=True)
-if not DRIVER.is_file():
-    pytest.skip(f"chromedriver is not installed ({DRIVER}); apt-get install -y chromium-driver",
-                allow_module_level=True)
-webdriver = pytest.importorskip("selenium.webdriver", reason="selenium is not installed (pip install -e '.[dev]')")
-from selenium.webdriver.common.by import By  # noqa: E402 - only once selenium is known to be there
-
-from checks.selftests.test_book_browser import DESKTOP, FLAGS, PHONE, report, screenshot, viewport  # noqa: E402
+# Chromium, its driver and selenium as the book's browser test finds them (this module is skipped with it,
+# saying why, where they are missing), and the same browser fixture
+from checks.selftests.test_book_browser import (  # noqa: E402, F401 - `browser` is a fixture
+    DESKTOP, PHONE, By, browser, report, screenshot, viewport)
 
 PAGES = {"en": "class.html", "zh": "class.zh.html"}
 PLOTS = 4  # two modules, each with a histogram of its scores and a chart of its checks' pass rates
@@ -36,20 +27,6 @@ def graded(tmp_path_factory) -> Path:
     folder = synthetic_class(tmp_path_factory.mktemp("class") / "graded")
     write_class_report(folder)
     return folder
-
-
-@pytest.fixture(scope="module")
-def browser(tmp_path_factory):
-    os.environ.setdefault("SE_OFFLINE", "true")  # Selenium Manager must never fetch a driver or a browser
-    options = webdriver.ChromeOptions()
-    options.binary_location = str(CHROMIUM)
-    for flag in FLAGS + [f"--user-data-dir={tmp_path_factory.mktemp('chromium-profile')}",
-                         f"--window-size={DESKTOP[0]},{DESKTOP[1]}"]:
-        options.add_argument(flag)
-    driver = webdriver.Chrome(options=options, service=webdriver.ChromeService(executable_path=str(DRIVER)))
-    driver.set_page_load_timeout(30)
-    yield driver
-    driver.quit()
 
 
 @pytest.mark.parametrize("lang", PAGES)
