@@ -16,6 +16,7 @@ with each of your modules in turn replaced by the reference, and the report says
 makes it pass (not under `grade`).
 """
 
+import math
 import shutil
 import tempfile
 from dataclasses import dataclass, field, replace
@@ -318,15 +319,31 @@ SAMPLER_VOCAB = 40  # tokens in a sampler row: more than any row's top-k keeps, 
 
 
 def sampler_case(gen: torch.Generator):
-    """Rows over 40 tokens: greedy, plain, top-k (with a tie at the k-th value), top-p, both, a tiny p."""
+    """Rows over 40 tokens: greedy, plain, top-k (with a tie at the k-th value), top-p, both, a tiny p, and a
+    row whose most likely tokens sum to exactly p."""
     V = SAMPLER_VOCAB
     logits = torch.randn(8, V, generator=gen) * 2
     logits[2, :3] = logits[2].max() + 1  # a three-way tie for the lead
     logits[3, 5] = logits[3, 6] = logits[3].sort(descending=True).values[3]  # ties at the 4th value
-    temperature = torch.tensor([0.0, 1.0, 0.7, 1.3, 0.9, 1.0, 0.5, 2.0])
-    top_k = torch.tensor([0, 0, 2, 4, 0, 6, 0, 1])
-    top_p = torch.tensor([1.0, 1.0, 1.0, 1.0, 0.8, 0.6, 0.05, 1.0])
+    logits = torch.cat([logits, exactly_p_row(gen, V)[None]])
+    temperature = torch.tensor([0.0, 1.0, 0.7, 1.3, 0.9, 1.0, 0.5, 2.0, 1.0])
+    top_k = torch.tensor([0, 0, 2, 4, 0, 6, 0, 1, 0])
+    top_p = torch.tensor([1.0, 1.0, 1.0, 1.0, 0.8, 0.6, 0.05, 1.0, EXACTLY_P])
     return logits, temperature, top_k, top_p
+
+
+EXACTLY_P = 0.75  # the mass of the exactly-p row's two most likely tokens, 0.5 + 0.25
+
+
+def exactly_p_row(gen: torch.Generator, V: int) -> torch.Tensor:
+    """Logits 3 ln 2, 2 ln 2, ln 2, 0, 0 at random places, the rest -1000: probabilities 8 : 4 : 2 : 1 : 1 over 16,
+    that is 0.5, 0.25, 0.125, 0.0625, 0.0625 and exactly 0, each exact in float32 (exp of float32 ln 2's multiples
+    rounds to the power of two, and exp(-1000) is 0). The third token's predecessors hold exactly 0.75 = p: it is
+    dropped, the kept mass being p already. (A softmax in float64 of these float32 logits puts the first two a hair
+    above 0.75: the same two are kept, so the oracle and a float64 implementation agree.)"""
+    row = torch.full((V,), -1000.0)
+    row[torch.randperm(V, generator=gen)[:5]] = torch.tensor([3.0, 2.0, 1.0, 0.0, 0.0]) * math.log(2)
+    return row
 
 
 def test_probabilities_masks_are_exact(impl, gen):

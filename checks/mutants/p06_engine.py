@@ -39,6 +39,13 @@ MISTAKES = [
         replace("before = ordered.cumsum(dim=-1) - ordered", "before = ordered.cumsum(dim=-1)"),
     ),
     Mistake(
+        "top-p-keeps-the-token-at-p",
+        "top-p keeps a token whose predecessors already hold exactly p",
+        "Drop a token once the mass before it reaches p (>=, not >): when the more likely tokens sum to exactly p, "
+        "the kept mass is p already.",
+        replace("(before >= top_p.float()[:, None])", "(before > top_p.float()[:, None])"),
+    ),
+    Mistake(
         "top-p-before-top-k",
         "top-p measured on the whole distribution instead of the one top-k left",
         "Apply top-k first, take the softmax of what it keeps, and measure top-p's mass on that distribution.",
