@@ -405,18 +405,23 @@ def greedy_against_hf(request, impl, seed: int, layout: str, lengths, params: Pa
 
 
 SHARED_BLOCKS = 2  # full blocks the prompts of the prefix-cache checks share
+PREFIX_BUDGET = 16  # the prefix-cache check's token budget: A and B's first step (11 + 2 tokens) fits, C's rest does not
+LATER_TAIL = 19  # C's tokens after the shared blocks: chunked under PREFIX_BUDGET into 16 + 3
 
 
 def test_prefix_hits_are_served_and_counted(request, impl, seed):
-    """prompts that share two full blocks are served by the prefix cache (counted), with HF's tokens"""
+    """prompts that share two full blocks are served by the prefix cache (counted once per request, a chunked one
+    too), with HF's tokens"""
     layout = "L2-H4-KVH2-D16"
     gen = torch.Generator().manual_seed(seed)
     shared = random_prompts(gen, 96, (SHARED_BLOCKS * Config.block_size,))[0]  # two blocks of 4: 8 tokens
     n = len(shared)
-    tails = random_prompts(gen, 96, (3, 2, 5))
+    tails = random_prompts(gen, 96, (3, 2, LATER_TAIL))
     # B shares A's two full blocks (allocated after A in the same step); C, in a second generate call,
-    # finds them again in the cache after A and B finished and freed them.
-    first = Run(weights(seed, layout), [shared + tails[0], shared + tails[1]], [Params()] * 2, Config())
+    # finds them again in the cache after A and B finished and freed them, and its rest is computed in two
+    # chunks: its cached tokens count once, in its first prefill step, not again in its second.
+    config = Config(max_num_batched_tokens=PREFIX_BUDGET)
+    first = Run(weights(seed, layout), [shared + tails[0], shared + tails[1]], [Params()] * 2, config)
     second_prompt = shared + tails[2]
 
     def scenario(impl):
@@ -431,7 +436,9 @@ def test_prefix_hits_are_served_and_counted(request, impl, seed):
         again.stats = dict(llm.stats)
         expect_greedy(again, seed, layout, "a later prompt sharing the freed blocks")
         expect_count(again, "cached_tokens", lambda got: got == 2 * n,
-                     f"{2 * n} cached tokens after the second call: its two shared blocks were freed but still cached")
+                     f"{2 * n} cached tokens after the second call: its two shared blocks were freed but still cached "
+                     f"(counted once, in the first of the two steps that compute its other {LATER_TAIL} tokens under a "
+                     f"budget of {PREFIX_BUDGET})")
 
     with_blame(request, impl, scenario)
 

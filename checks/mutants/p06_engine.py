@@ -69,6 +69,15 @@ MISTAKES = [
         replace("rows = [b for b, done in enumerate(complete) if done]", "rows = list(range(len(requests)))"),
     ),
     Mistake(
+        "cached-tokens-every-chunk",
+        "stats['cached_tokens'] adds a request's cached prefix again at every chunk of its prompt",
+        "Count the prefix cache's tokens once per request, in its first prefill step (num_computed_tokens == "
+        "num_cached_tokens): a later chunk was not served by the cache.",
+        replace("            self.stats[\"cached_tokens\"] += sum(r.num_cached_tokens for r in requests\n"
+                "                                               if r.num_computed_tokens == r.num_cached_tokens)\n",
+                "            self.stats[\"cached_tokens\"] += sum(r.num_cached_tokens for r in requests)\n"),
+    ),
+    Mistake(
         "rope-positions-from-zero",
         "RoPE angles from the step's rows 0..T-1 instead of the tokens' positions",
         "Rotate by p01's `positions`: a chunk starts at num_computed_tokens, a decode token sits at len(seq) - 1.",
