@@ -405,7 +405,7 @@ def greedy_against_hf(request, impl, seed: int, layout: str, lengths, params: Pa
 
 
 SHARED_BLOCKS = 2  # full blocks the prompts of the prefix-cache checks share
-PREFIX_BUDGET = 16  # the prefix-cache check's token budget: A and B's first step (11 + 2 tokens) fits, C's rest does not
+PREFIX_BUDGET = 16  # the prefix-cache check's budget: A and B's first step (11 + 2 tokens) fits, C's rest does not
 LATER_TAIL = 19  # C's tokens after the shared blocks: chunked under PREFIX_BUDGET into 16 + 3
 
 
@@ -492,8 +492,18 @@ def test_stops_at_eos_unless_ignored(request, impl, seed):
     with_blame(request, impl, scenario)
 
 
+# A seeded request at temperature HOT: every one of the 64 tokens has probability within 0.5% of 1/64 (the logits
+# of these models span less than 4, measured), so its HOT_TOKENS draws are all but independent and uniform. A
+# generator carried from step to step repeats its first token HOT_TOKENS - 1 times in a row with probability
+# 64^-4 = 6e-8 (the check's false alarm); one started again from the seed at every step draws the same noise, and
+# the same token, every time.
+HOT = 1000.0
+HOT_TOKENS = 5
+
+
 def test_seeded_requests_do_not_depend_on_the_batch(request, impl, seed):
-    """a seeded request samples the same tokens alone and in a chunked batch with others"""
+    """a seeded request samples the same tokens alone and in a chunked batch with others, and its generator goes on
+    from step to step"""
     layout = "L2-H2-KVH1-D16"
     gen = torch.Generator().manual_seed(seed)
     prompts = random_prompts(gen, 64, (9, 5, 6))
@@ -501,6 +511,9 @@ def test_seeded_requests_do_not_depend_on_the_batch(request, impl, seed):
     others = [Params(temperature=1.0, max_tokens=4), Params(max_tokens=3)]
     alone = Run(weights(seed, layout), prompts[:1], [mine], Config())
     batch = Run(alone.w, prompts, [mine] + others, Config(max_num_batched_tokens=4))
+    # one layer and one head: the draws are the sampler's doing, not the layers'
+    hot = Run(weights(seed, ONE_HEAD), prompts[1:2],
+              [Params(temperature=HOT, max_tokens=HOT_TOKENS, seed=seed % 10_000)], Config())
 
     def scenario(impl):
         engine(impl, alone)
@@ -510,6 +523,13 @@ def test_seeded_requests_do_not_depend_on_the_batch(request, impl, seed):
             raise Mismatch(f"the seeded request gave {alone.outputs[0]} alone and {batch.outputs[0]} in a batch "
                            f"whose budget of 4 chunks its prompt: its draws must come from its own generator, "
                            f"one per token it keeps")
+        engine(impl, hot)
+        tokens = hot.outputs[0]
+        if len(set(tokens)) == 1:
+            raise Mismatch(f"a seeded request at temperature {HOT:g} (its 64 tokens all but equally likely) gave "
+                           f"{tokens}: the same token {len(tokens)} times, as if every step drew the same noise. Its "
+                           f"generator must go on from one step to the next, not start again from the seed (carried "
+                           f"on, it repeats a token {len(tokens)} times with probability 64^-{len(tokens) - 1})")
 
     with_blame(request, impl, scenario)
 

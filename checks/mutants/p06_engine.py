@@ -69,6 +69,17 @@ MISTAKES = [
         replace("rows = [b for b, done in enumerate(complete) if done]", "rows = list(range(len(requests)))"),
     ),
     Mistake(
+        "seeded-generator-restarted",
+        "a seeded request's generator started again from its seed at every step",
+        "Seed a request's generator once, when generate queues it, and keep drawing from it: started again each step, "
+        "it draws the same noise for every token.",
+        replace("            if own is not None:  # a seeded request: its draws come from its own generator only\n"
+                "                noise[b].exponential_(generator=own)\n",
+                "            if own is not None:  # a seeded request: its draws come from its own generator only\n"
+                "                own.manual_seed(self._params[request.request_id].seed)\n"
+                "                noise[b].exponential_(generator=own)\n"),
+    ),
+    Mistake(
         "cached-tokens-every-chunk",
         "stats['cached_tokens'] adds a request's cached prefix again at every chunk of its prompt",
         "Count the prefix cache's tokens once per request, in its first prefill step (num_computed_tokens == "
