@@ -28,13 +28,14 @@ from checks.harness.toys import load_toy
 pytestmark = pytest.mark.p05
 
 TOLERANCE_KIND = "exact"  # bookkeeping: ids and counts, compared exactly
-# What `./check.sh grade` awards: a check's points, shared out over its cases (the module is worth the sum, 32).
+# What `./check.sh grade` awards: a check's points, shared out over its cases (the module is worth the sum, 33).
 POINTS = {
     "test_toy_scenario": 4,
     "test_prefill_comes_before_decode": 1,
     "test_a_step_never_mixes_prefill_and_decode": 2,
     "test_the_token_budget_is_never_exceeded": 2,
     "test_max_num_seqs_caps_every_step": 1,
+    "test_a_decode_step_is_bounded_by_max_num_seqs_not_the_token_budget": 1,
     "test_a_cached_prefix_costs_nothing": 2,
     "test_only_the_first_request_of_a_step_is_chunked": 2,
     "test_a_chunk_advances_computed_tokens_and_discards_its_token": 2,
@@ -718,6 +719,18 @@ def test_max_num_seqs_caps_every_step(impl):
     names, _, _ = d.step()  # decode: A and B again, C waits its turn in running
     d.expect("step 3: the batch", names, ["A", "B"])
     d.run_to_the_end()
+
+
+def test_a_decode_step_is_bounded_by_max_num_seqs_not_the_token_budget(impl):
+    """a decode step takes every running request up to max_num_seqs, even more of them than the token budget"""
+    d = Driver(impl, 4, 4, 4, 2)  # a budget of 2 tokens, 4 seats
+    for i in range(3):
+        d.add(i, [i + 1], 2)
+    d.step()  # prefill [A 1, B 1]: the budget is spent
+    d.step()  # prefill [C 1]
+    d.step()  # decode: 3 requests, 3 tokens over a budget of 2, which bounds prefill steps only
+    d.expect_batch(3, [("A", 1), ("B", 1), ("C", 1)])
+    d.check_finished()
 
 
 def test_a_cached_prefix_costs_nothing(impl):

@@ -116,10 +116,11 @@ def scenarios(toy: dict) -> list[Scenario]:
 # ---- probes: what the toy's steps never exercise -------------------------------------------------------
 
 
-PROBE_CASE = T("a case like the checks': three one-token requests at once with max_num_seqs 2 (block size 2, "
-               "10 blocks, a budget of 16), one prefill step",
+PROBE_CASE = T("cases like the checks': three one-token requests at once with max_num_seqs 2 (block size 2, "
+               "10 blocks, a budget of 16), one prefill step; three one-token requests decoded together under a budget "
+               "of 2",
                "和检查里一样的用例：同时来三个单 token 请求，max_num_seqs 为 2（块大小 2，10 个块，预算 16），"
-               "做一个 prefill 步")
+               "做一个 prefill 步；三个单 token 请求在预算 2 之下一起 decode")
 
 
 def _seats(module) -> list[Field]:
@@ -132,9 +133,35 @@ def _seats(module) -> list[Field]:
             Field("waiting", LABELS["waiting"], _list(names[id(r)] for r in scheduler.waiting))]
 
 
+def _probe_steps(module, limits: tuple, requests: list[tuple[list[int], int]], sampled: list[dict]) -> list[Field]:
+    """Add the requests (A, B, ...), then one schedule and postprocess per entry of `sampled` (name -> token, 9 for
+    a request it does not name): the last step's batch and kind, both queues, and every request's computed
+    tokens and completion tokens after it."""
+    scheduler = module.Scheduler(*limits, -1)
+    added = {"ABC"[i]: scheduler.add(i, prompt, max_tokens) for i, (prompt, max_tokens) in enumerate(requests)}
+    names = {id(r): name for name, r in added.items()}
+    for tokens in sampled:
+        batch, is_prefill = scheduler.schedule()
+        seen = [[names[id(r)], r.num_scheduled_tokens] for r in batch]
+        scheduler.postprocess(batch, [tokens.get(names[id(r)], 9) for r in batch])
+    return [Field("batch", LABELS["batch"], _batch(seen)), Field("is_prefill", LABELS["is_prefill"], str(is_prefill)),
+            Field("waiting", LABELS["waiting"], _list(names[id(r)] for r in scheduler.waiting)),
+            Field("running", LABELS["running"], _list(names[id(r)] for r in scheduler.running)),
+            Field("num_computed_tokens", LABELS["num_computed_tokens"],
+                  _per_request({name: r.num_computed_tokens for name, r in added.items()})),
+            Field("completions", LABELS["completions"],
+                  _per_request({name: list(r.token_ids[r.num_prompt_tokens :]) for name, r in added.items()}))]
+
+
 def probes() -> list[Scenario]:
     return [Scenario("probe-seats", T("add A = [1], B = [2], C = [3] (max_num_seqs 2), then schedule",
-                                      "add A = [1]、B = [2]、C = [3]（max_num_seqs 为 2），然后 schedule"), _seats)]
+                                      "add A = [1]、B = [2]、C = [3]（max_num_seqs 为 2），然后 schedule"), _seats),
+            Scenario("probe-decode-budget",
+                     T("add A = [1], B = [2], C = [3] max 2 (4 blocks of 4, max_num_seqs 4, a budget of 2), then "
+                       "3 steps: prefill A and B, prefill C, decode",
+                       "add A = [1]、B = [2]、C = [3]，max 2（4 个大小为 4 的块，max_num_seqs 4，预算 2），然后走 3 步："
+                       "prefill A 和 B，prefill C，decode"),
+                     lambda module: _probe_steps(module, (4, 4, 4, 2), [([1], 2), ([2], 2), ([3], 2)], [{}, {}, {}]))]
 
 
 # ---- the walk-through ---------------------------------------------------------------------------------

@@ -3,7 +3,7 @@
 Ids match the Pitfalls section of `exercises/p05_scheduler.md`, in its order.
 """
 
-from checks.harness.mistakes import Broken, Mistake, Variant, append, everyday_breakage, replace
+from checks.harness.mistakes import Broken, Mistake, Variant, append, chain, everyday_breakage, replace
 
 # A prefill step that also decodes: after the prefill part, the requests that were running before the step get
 # their decode step in the same batch (the seats the prefill left), through the decode part of `schedule` itself.
@@ -126,6 +126,16 @@ MISTAKES = [
         "Stop taking requests from `waiting` once `max_num_seqs` are in the step, as the decode part does.",
         replace("while self.waiting and len(scheduled) < self.max_num_seqs and budget > 0:",
                 "while self.waiting and budget > 0:"),
+    ),
+    Mistake(
+        "decode-capped-by-budget",
+        "a decode step stops at max_num_batched_tokens requests",
+        "The token budget bounds a prefill step only; a decode step takes running requests up to "
+        "`max_num_seqs`, one token each, however small the budget.",
+        chain(replace("while self.running and len(scheduled) < self.max_num_seqs:",
+                      "while self.running and len(scheduled) < self.max_num_seqs and budget > 0:"),
+              replace("                request.num_scheduled_tokens = 1\n",
+                      "                request.num_scheduled_tokens = 1\n                budget -= 1\n")),
     ),
     Mistake(
         "decode-order-reversed",
