@@ -457,12 +457,57 @@ CHUNK_BUDGET = 5  # the token budget that chunks the prompts of 13, 7 and 4 toke
 
 
 def test_chunked_prefill_keeps_the_tokens(request, impl, seed):
-    """a token budget of 5 chunks the prompts, and the tokens stay HF's"""
+    """a token budget of 5 chunks the prompts, a chunk stores its own tokens' keys and values only, and the tokens
+    stay HF's"""
+    with_blame(request, impl, lambda impl: expect_chunk_stores_only_its_tokens(impl, seed))
+    impl.start_over()  # a failure below replays the engine's calls only
     greedy_against_hf(request, impl, seed, "L2-H2-KVH1-D16", (13, 7, 4), Params(max_tokens=4),
                       Config(max_num_batched_tokens=CHUNK_BUDGET), f"chunked prefill (budget {CHUNK_BUDGET})",
                       ("chunked_prefills", lambda n: n >= 2,
                        f"at least 2 prefill steps that compute part of a prompt: a 13-token prompt under a budget "
                        f"of {CHUNK_BUDGET}"))
+
+
+def expect_chunk_stores_only_its_tokens(impl, seed: int) -> None:
+    """Your p05 Scheduler chunks a 13-token prompt under the budget of 5 (its first chunk is marked computed without
+    running it); a fresh ModelRunner, its cache all zeros, then computes the second chunk, tokens 5..9. Its keys and
+    values must land in those tokens' slots and nowhere else: tokens 0..4 are computed already (their keys are read
+    from the cache, never computed again), tokens 10..12 are the next chunk's."""
+    layout = "L2-H2-KVH1-D16"
+    gen = torch.Generator().manual_seed(seed)
+    prompt = random_prompts(gen, SHAPES[layout][0], (13,))[0]
+    config = Config(max_num_batched_tokens=CHUNK_BUDGET)
+    scheduler = impl.Scheduler(config.num_blocks, config.block_size, config.max_num_seqs, config.max_num_batched_tokens,
+                               config.eos_token_id)
+    scheduler.add(0, list(prompt), 4, True)
+    first, _ = scheduler.schedule()
+    scheduler.postprocess(first, [-1])  # the first chunk: its keys would be in the cache
+    second, _ = scheduler.schedule()
+    request = second[0]
+    start, count = request.num_computed_tokens, request.num_scheduled_tokens
+    if (start, count) != (CHUNK_BUDGET, CHUNK_BUDGET):
+        raise Mismatch(f"your Scheduler's second step computes tokens {start}..{start + count - 1} of a 13-token "
+                       f"prompt, expected {CHUNK_BUDGET}..{2 * CHUNK_BUDGET - 1} under a budget of {CHUNK_BUDGET} "
+                       f"(./check.sh p05)")
+    table = list(request.block_table)
+    runner = impl.ModelRunner(on_device(weights(seed, layout)), config.num_blocks, config.block_size,
+                              config.max_num_seqs, config.max_model_len, False)
+    runner.prefill(second)
+    caches = {"k_caches": runner.k_caches, "v_caches": runner.v_caches}
+    size = config.block_size
+    slot_of = {table[i // size] * size + i % size: i for i in range(len(prompt))}
+    for name, stored in caches.items():
+        if not isinstance(stored, torch.Tensor) or stored.dim() != 5 or stored.shape[2] != size:
+            raise Mismatch(f"ModelRunner.{name} is {type(stored).__name__} {list(getattr(stored, 'shape', []))}, "
+                           f"expected [L, num_blocks, block_size, KVH, D]")
+        written = stored.flatten(3).ne(0).any(-1).any(0).flatten()  # [num_blocks * block_size]: slots a layer wrote
+        tokens = sorted(slot_of.get(slot, -1) for slot in written.nonzero().flatten().tolist())
+        if tokens != list(range(start, start + count)):
+            shown = ", ".join("a slot of no token" if t < 0 else str(t) for t in tokens[:14])
+            raise Mismatch(f"ModelRunner.prefill of the second chunk (tokens {start}..{start + count - 1}) wrote the "
+                           f"{name} slots of tokens [{shown}]: a chunk computes and stores its own tokens only; the "
+                           f"{start} before it are in the cache already (num_computed_tokens, not num_cached_tokens, "
+                           f"is what p01's Sequence takes as cached)")
 
 
 def test_stops_at_eos_unless_ignored(request, impl, seed):

@@ -89,6 +89,14 @@ MISTAKES = [
                 "            self.stats[\"cached_tokens\"] += sum(r.num_cached_tokens for r in requests)\n"),
     ),
     Mistake(
+        "chunk-recomputes-earlier-chunks",
+        "a chunk's metadata built with num_cached_tokens = the prefix cache's hit, so every chunk recomputes the ones before",
+        "Give p01's Sequence num_cached_tokens = r.num_computed_tokens: the earlier chunks' keys are in the cache, and a "
+        "chunk computes and stores only its own tokens.",
+        replace("r.block_table, num_cached_tokens=r.num_computed_tokens) for r in requests]",
+                "r.block_table, num_cached_tokens=r.num_cached_tokens) for r in requests]"),
+    ),
+    Mistake(
         "rope-positions-from-zero",
         "RoPE angles from the step's rows 0..T-1 instead of the tokens' positions",
         "Rotate by p01's `positions`: a chunk starts at num_computed_tokens, a decode token sits at len(seq) - 1.",
