@@ -28,7 +28,7 @@ from checks.harness.toys import load_toy
 pytestmark = pytest.mark.p05
 
 TOLERANCE_KIND = "exact"  # bookkeeping: ids and counts, compared exactly
-# What `./check.sh grade` awards: a check's points, shared out over its cases (the module is worth the sum, 33).
+# What `./check.sh grade` awards: a check's points, shared out over its cases (the module is worth the sum, 35).
 POINTS = {
     "test_toy_scenario": 4,
     "test_prefill_comes_before_decode": 1,
@@ -43,6 +43,7 @@ POINTS = {
     "test_decode_preempts_the_newest_running_request": 2,
     "test_a_request_preempts_itself_only_when_no_other_is_left": 1,
     "test_preempted_requests_come_back_first_and_are_recomputed": 2,
+    "test_a_preempted_request_is_recomputed_in_chunks_with_its_completion_tokens": 2,
     "test_decoded_requests_keep_their_order": 1,
     "test_requests_finish_on_eos_unless_ignore_eos_and_at_max_tokens": 2,
     "test_a_finished_request_gives_its_blocks_back": 1,
@@ -840,6 +841,30 @@ def test_preempted_requests_come_back_first_and_are_recomputed(impl):
     d.step()  # B needs 2 blocks, 1 free: decode [A 1], and A finishes
     d.step()  # B again: its first block [3, b1] is still cached: 2 computed, it costs 2
     d.expect_batch(6, [("B", 2)])
+    d.run_to_the_end()
+
+
+def test_a_preempted_request_is_recomputed_in_chunks_with_its_completion_tokens(impl):
+    """a preempted request whose tokens (prompt and completion) exceed the budget is recomputed in chunks: each
+    chunk advances num_computed_tokens, its token is discarded even past the prompt, and the completion is kept"""
+    d = Driver(impl, 2, 4, 4, 2)  # 2 blocks of 4, a budget of 2
+    d.add(0, [1, 2, 3], 3)
+    d.add(1, [4], 4)
+    d.step({"A": 90})  # prefill [A 2], a chunk: 90 is thrown away
+    d.step({"A": 11, "B": 21})  # prefill [A 1, B 1]: both blocks in use
+    d.step({"A": 12, "B": 22})  # decode [A 1, B 1]
+    d.step({"A": 13})  # decode: A's token 12 opens a block: A preempts B; A finishes, its blocks are free again
+    d.expect("after step 4: B's token_ids", d.request("B").tokens, [4, 21, 22], why="preemption keeps the completion")
+    d.step({"B": 99})  # B's 3 tokens (a prompt of 1) cost 3 > 2: prefill [B 2], a chunk that ends past the prompt
+    d.expect_batch(5, [("B", 2)])
+    seen = d.request("B")
+    d.expect("after step 5: B's token_ids", seen.tokens, [4, 21, 22],
+             why="2 of B's 3 tokens are computed: the token sampled after a chunk is thrown away, past the prompt too")
+    d.expect("after step 5: B's num_computed_tokens", seen.computed, 2, "computed token")
+    d.expect_queues(5, waiting=["B"], running=[])
+    d.step({"B": 23})  # prefill [B 1]: all 3 tokens are computed again, 23 is B's third completion token
+    d.expect_batch(6, [("B", 1)])
+    d.expect("after step 6: B's token_ids", d.request("B").tokens, [4, 21, 22, 23])
     d.run_to_the_end()
 
 

@@ -118,9 +118,10 @@ def scenarios(toy: dict) -> list[Scenario]:
 
 PROBE_CASE = T("cases like the checks': three one-token requests at once with max_num_seqs 2 (block size 2, "
                "10 blocks, a budget of 16), one prefill step; three one-token requests decoded together under a budget "
-               "of 2",
+               "of 2; a request preempted with 2 completion tokens and recomputed in chunks under a budget of 2",
                "和检查里一样的用例：同时来三个单 token 请求，max_num_seqs 为 2（块大小 2，10 个块，预算 16），"
-               "做一个 prefill 步；三个单 token 请求在预算 2 之下一起 decode")
+               "做一个 prefill 步；三个单 token 请求在预算 2 之下一起 decode；一个请求带着 2 个已生成的 token "
+               "被抢占，再在预算 2 之下分块重算")
 
 
 def _seats(module) -> list[Field]:
@@ -161,7 +162,15 @@ def probes() -> list[Scenario]:
                        "3 steps: prefill A and B, prefill C, decode",
                        "add A = [1]、B = [2]、C = [3]，max 2（4 个大小为 4 的块，max_num_seqs 4，预算 2），然后走 3 步："
                        "prefill A 和 B，prefill C，decode"),
-                     lambda module: _probe_steps(module, (4, 4, 4, 2), [([1], 2), ([2], 2), ([3], 2)], [{}, {}, {}]))]
+                     lambda module: _probe_steps(module, (4, 4, 4, 2), [([1], 2), ([2], 2), ([3], 2)], [{}, {}, {}])),
+            Scenario("probe-recompute-chunks",
+                     T("add A = [1, 2, 3] max 3, B = [4] max 4 (2 blocks of 4, max_num_seqs 4, a budget of 2), then 5 "
+                       "steps: B is preempted in step 4 with completion [21, 22], and step 5 recomputes a chunk of 2",
+                       "add A = [1, 2, 3] max 3、B = [4] max 4（2 个大小为 4 的块，max_num_seqs 4，预算 2），然后走 5 步："
+                       "B 在第 4 步被抢占，已生成 [21, 22]，第 5 步重算一个 2 token 的 chunk"),
+                     lambda module: _probe_steps(module, (2, 4, 4, 2), [([1, 2, 3], 3), ([4], 4)],
+                                                 [{"A": 90}, {"A": 11, "B": 21}, {"A": 12, "B": 22}, {"A": 13},
+                                                  {"B": 99}]))]
 
 
 # ---- the walk-through ---------------------------------------------------------------------------------

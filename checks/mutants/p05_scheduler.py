@@ -72,6 +72,15 @@ MISTAKES = [
                 "        request.num_scheduled_tokens = 0\n"),
     ),
     Mistake(
+        "preempt-drops-completion",
+        "preemption drops the request's completion tokens: it is recomputed from its prompt alone",
+        "Keep a preempted request's `token_ids` whole: the tokens it sampled are part of its answer, and its "
+        "recompute computes them too (`len(request)` tokens, less what the prefix cache still holds).",
+        replace("        request.num_computed_tokens = 0\n        request.num_scheduled_tokens = 0\n",
+                "        del request.token_ids[request.num_prompt_tokens :]\n"
+                "        request.num_computed_tokens = 0\n        request.num_scheduled_tokens = 0\n"),
+    ),
+    Mistake(
         "cached-tokens-cost",
         "the cached prefix is counted (and computed again): a new request starts with 0 computed tokens",
         "After `allocate`, a request's computed tokens are its `num_cached_tokens`; its cost, and its "
@@ -112,6 +121,16 @@ MISTAKES = [
         "A token sampled after a chunk comes from the middle of the prompt and means nothing: when "
         "num_computed_tokens is still below len(request), skip the request (its computed count has grown).",
         replace("continue  # a chunk: the prompt goes on next step", "pass  # a chunk: the prompt goes on next step"),
+    ),
+    Mistake(
+        "recompute-chunk-by-prompt",
+        "postprocess counts a request complete once its prompt is computed: a preempted request recomputed in "
+        "chunks keeps a token sampled after a chunk",
+        "A request still has tokens to compute while `num_computed_tokens < len(request)`, not `num_prompt_tokens`: "
+        "a preempted request recomputes its completion tokens too, and the token sampled after any chunk of that "
+        "recompute is thrown away.",
+        replace("if request.num_computed_tokens < len(request):",
+                "if request.num_computed_tokens < request.num_prompt_tokens:"),
     ),
     Mistake(
         "prefill-and-decode-mixed",
