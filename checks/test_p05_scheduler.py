@@ -28,7 +28,7 @@ from checks.harness.toys import load_toy
 pytestmark = pytest.mark.p05
 
 TOLERANCE_KIND = "exact"  # bookkeeping: ids and counts, compared exactly
-# What `./check.sh grade` awards: a check's points, shared out over its cases (the module is worth the sum, 35).
+# What `./check.sh grade` awards: a check's points, shared out over its cases (the module is worth the sum, 36).
 POINTS = {
     "test_toy_scenario": 4,
     "test_prefill_comes_before_decode": 1,
@@ -40,6 +40,7 @@ POINTS = {
     "test_only_the_first_request_of_a_step_is_chunked": 2,
     "test_a_chunk_advances_computed_tokens_and_discards_its_token": 2,
     "test_a_request_runs_only_once_its_prompt_is_complete": 1,
+    "test_postprocess_sets_num_scheduled_tokens_back_to_0": 1,
     "test_decode_preempts_the_newest_running_request": 2,
     "test_a_request_preempts_itself_only_when_no_other_is_left": 1,
     "test_preempted_requests_come_back_first_and_are_recomputed": 2,
@@ -790,6 +791,20 @@ def test_a_request_runs_only_once_its_prompt_is_complete(impl):
     d.step()  # prefill [A 2, B 2]: both complete
     d.expect_queues(2, waiting=[], running=["A", "B"])
     d.run_to_the_end()
+
+
+def test_postprocess_sets_num_scheduled_tokens_back_to_0(impl):
+    """after postprocess every request of the step has num_scheduled_tokens 0: a chunk's, a finished one's, a running
+    one's"""
+    d = Driver(impl, 8, 4, 4, 4)
+    d.add(0, [1, 2, 3, 4, 5, 6], 2)
+    d.add(1, [7], 1)
+    for k in (1, 2, 3):  # prefill [A 4], a chunk; prefill [A 2, B 1], B finishes; decode [A 1], A finishes
+        names, _, _ = d.step()
+        for name in names:
+            d.expect(f"after step {k}: {name}'s num_scheduled_tokens", d.read(d.remotes[name], "num_scheduled_tokens",
+                     name), 0, "scheduled token", "postprocess sets it back to 0 once the step is applied")
+    d.check_finished()
 
 
 def test_decode_preempts_the_newest_running_request(impl):

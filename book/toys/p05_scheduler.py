@@ -25,6 +25,7 @@ LABELS = {
     "num_computed_tokens": T("computed tokens", "已计算的 token 数"),
     STATUS: T("status", "status"),
     "completions": T("completion tokens so far", "目前生成的 token"),
+    "scheduled_after": T("num_scheduled_tokens after postprocess", "postprocess 之后的 num_scheduled_tokens"),
 }
 
 
@@ -118,10 +119,12 @@ def scenarios(toy: dict) -> list[Scenario]:
 
 PROBE_CASE = T("cases like the checks': three one-token requests at once with max_num_seqs 2 (block size 2, "
                "10 blocks, a budget of 16), one prefill step; three one-token requests decoded together under a budget "
-               "of 2; a request preempted with 2 completion tokens and recomputed in chunks under a budget of 2",
+               "of 2; a request preempted with 2 completion tokens and recomputed in chunks under a budget of 2; a "
+               "chunk and a finished request, whose num_scheduled_tokens are read after postprocess",
                "和检查里一样的用例：同时来三个单 token 请求，max_num_seqs 为 2（块大小 2，10 个块，预算 16），"
                "做一个 prefill 步；三个单 token 请求在预算 2 之下一起 decode；一个请求带着 2 个已生成的 token "
-               "被抢占，再在预算 2 之下分块重算")
+               "被抢占，再在预算 2 之下分块重算；一个 chunk 和一个完成的请求，在 postprocess 之后读它们的 "
+               "num_scheduled_tokens")
 
 
 def _seats(module) -> list[Field]:
@@ -134,10 +137,11 @@ def _seats(module) -> list[Field]:
             Field("waiting", LABELS["waiting"], _list(names[id(r)] for r in scheduler.waiting))]
 
 
-def _probe_steps(module, limits: tuple, requests: list[tuple[list[int], int]], sampled: list[dict]) -> list[Field]:
+def _probe_steps(module, limits: tuple, requests: list[tuple[list[int], int]], sampled: list[dict],
+                 scheduled: bool = False) -> list[Field]:
     """Add the requests (A, B, ...), then one schedule and postprocess per entry of `sampled` (name -> token, 9 for
     a request it does not name): the last step's batch and kind, both queues, and every request's computed
-    tokens and completion tokens after it."""
+    tokens and completion tokens after it (and, with `scheduled`, its num_scheduled_tokens)."""
     scheduler = module.Scheduler(*limits, -1)
     added = {"ABC"[i]: scheduler.add(i, prompt, max_tokens) for i, (prompt, max_tokens) in enumerate(requests)}
     names = {id(r): name for name, r in added.items()}
@@ -151,7 +155,9 @@ def _probe_steps(module, limits: tuple, requests: list[tuple[list[int], int]], s
             Field("num_computed_tokens", LABELS["num_computed_tokens"],
                   _per_request({name: r.num_computed_tokens for name, r in added.items()})),
             Field("completions", LABELS["completions"],
-                  _per_request({name: list(r.token_ids[r.num_prompt_tokens :]) for name, r in added.items()}))]
+                  _per_request({name: list(r.token_ids[r.num_prompt_tokens :]) for name, r in added.items()})),
+            *([Field("scheduled_after", LABELS["scheduled_after"],
+                     _per_request({name: r.num_scheduled_tokens for name, r in added.items()}))] if scheduled else [])]
 
 
 def probes() -> list[Scenario]:
@@ -170,7 +176,14 @@ def probes() -> list[Scenario]:
                        "B 在第 4 步被抢占，已生成 [21, 22]，第 5 步重算一个 2 token 的 chunk"),
                      lambda module: _probe_steps(module, (2, 4, 4, 2), [([1, 2, 3], 3), ([4], 4)],
                                                  [{"A": 90}, {"A": 11, "B": 21}, {"A": 12, "B": 22}, {"A": 13},
-                                                  {"B": 99}]))]
+                                                  {"B": 99}])),
+            Scenario("probe-scheduled-reset",
+                     T("add A = [1 .. 6] max 2, B = [7] max 1 (8 blocks of 4, max_num_seqs 4, a budget of 4), then 2 "
+                       "steps: prefill A 4, a chunk; prefill A 2 and B 1, and B finishes",
+                       "add A = [1 .. 6] max 2、B = [7] max 1（8 个大小为 4 的块，max_num_seqs 4，预算 4），然后走 2 步："
+                       "prefill A 4，一个 chunk；prefill A 2 和 B 1，B 完成"),
+                     lambda module: _probe_steps(module, (8, 4, 4, 4), [([1, 2, 3, 4, 5, 6], 2), ([7], 1)], [{}, {}],
+                                                 scheduled=True))]
 
 
 # ---- the walk-through ---------------------------------------------------------------------------------

@@ -133,6 +133,15 @@ MISTAKES = [
                 "if request.num_computed_tokens < request.num_prompt_tokens:"),
     ),
     Mistake(
+        "scheduled-not-reset",
+        "postprocess leaves num_scheduled_tokens at the step's value",
+        "Once `postprocess` has added a request's `num_scheduled_tokens` to its computed tokens, set it back to 0, "
+        "for every request of the step, finished ones included: between steps no token is scheduled, and whatever "
+        "sums the scheduled tokens of the requests (an engine's statistics) must not count a step that is over.",
+        replace("            request.num_scheduled_tokens = 0\n            if request.num_computed_tokens < len(request):",
+                "            if request.num_computed_tokens < len(request):"),
+    ),
+    Mistake(
         "prefill-and-decode-mixed",
         "a prefill step also decodes the running requests",
         "When anything was prefilled, return `(prefilled, True)` at once: a step is either prefill or decode, "
