@@ -1,4 +1,4 @@
-"""`./check.sh`: check a module, list the modules, reset a file to its stub, or build the book.
+"""`./check.sh`: check a module, list the modules, reset a file to its stub, build the book, grade, or run your engine.
 
     ./check.sh m02                      check mine/m02_thinker_attention.py
     ./check.sh m02 --impl solutions     check the reference (or --impl DIR: a student's folder)
@@ -66,7 +66,8 @@ def main(argv: list[str] | None = None) -> int:
                                      formatter_class=argparse.RawDescriptionHelpFormatter,
                                      epilog=__doc__.split("\n\n", 1)[1])
     parser.add_argument("target", nargs="*", metavar="MODULE",
-                        help="module ids (m01 m02 ...), all, list, book, or reset MODULE")
+                        help="module ids (m01 m02 ...), all, list, book, doctor, reset MODULE, grade DIR; or the commands "
+                             "run, grade-class and autograder, each with its own --help")
     parser.add_argument("--impl", action="append", metavar="IMPL",
                         help="mine (default), solutions, a folder with mine/'s file names; or mutants, variants, "
                              "broken: the kit's catalogue of known mistakes, accepted variants and broken code")
@@ -74,7 +75,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="base seed; a run prints its own so it can be replayed (given again: one run per seed, "
                              "in one process)")
     parser.add_argument("--json", metavar="FILE", help="also write every result to FILE as JSON")
-    parser.add_argument("-k", metavar="EXPR", help="only checks whose name matches EXPR (pytest -k)")
+    parser.add_argument("-k", metavar="EXPR",
+                        help="only the checks whose title (as the report shows it) or test name matches EXPR "
+                             "(pytest -k: words, and/or/not)")
     parser.add_argument("--time-limit", type=float, default=10.0, help="seconds one call of your code may take")
     parser.add_argument("--memory-limit", type=float, default=4.0, metavar="GIB",
                         help="GiB of memory the process running your code may use")
