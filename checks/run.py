@@ -174,7 +174,10 @@ def choose_engine(args, impl) -> tuple[str, str]:
         return "m04", "p06 has not been checked yet (./check.sh p06)"
     if entry.get("passed") != entry.get("checks"):
         return "m04", f"p06 passed {entry.get('passed')} of its {entry.get('checks')} checks (./check.sh p06)"
-    checked = time.mktime(time.strptime(str(entry.get("when")), "%Y-%m-%d %H:%M")) + 60
+    try:
+        checked = time.mktime(time.strptime(str(entry.get("when")), "%Y-%m-%d %H:%M")) + 60  # minutes kept only
+    except ValueError:
+        checked = 0.0
     if impl.path("p06_engine").stat().st_mtime > checked:
         return "m04", "mine/p06_engine.py changed since it passed its checks (./check.sh p06)"
     return "p06", f"p06 passed its checks ({entry.get('when')})"

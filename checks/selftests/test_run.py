@@ -163,3 +163,26 @@ def test_a_stub_says_what_to_finish_first(checkpoint, capsys, tmp_path):
     code, out, err = run(capsys, "--model", folder, "--impl", partial, PROMPT)
     assert code == 2 and "reaches `rms_norm`" in err and "finish m01 first (./check.sh m01)" in err, err
     assert "Traceback" not in out + err
+
+
+def test_p06_serves_once_it_passed_its_checks_and_is_unchanged_since(tmp_path, monkeypatch):
+    """The learner's last results decide: never checked, partly passed, changed since, or passed."""
+    import time
+    from types import SimpleNamespace
+
+    from checks.harness.loader import named
+
+    results, auto, mine = tmp_path / "results.json", SimpleNamespace(engine="auto"), named("mine")
+    monkeypatch.setattr(run_command, "RESULTS", results)
+    assert run_command.choose_engine(auto, mine) == ("m04", "p06 has not been checked yet (./check.sh p06)")
+    for entry, expected in (({"checks": 19, "passed": 12}, "p06 passed 12 of its 19 checks"),
+                            ({"checks": 19, "passed": 19, "when": "2000-01-01 00:00"}, "changed since it passed"),
+                            ({"checks": 19, "passed": 19}, "changed since it passed")):
+        results.write_text(json.dumps({"p06_engine": entry}))
+        engine, why = run_command.choose_engine(auto, mine)
+        assert engine == "m04" and expected in why, why
+    later = time.strftime("%Y-%m-%d %H:%M", time.localtime(time.time() + 3600))
+    results.write_text(json.dumps({"p06_engine": {"checks": 19, "passed": 19, "when": later}}))
+    assert run_command.choose_engine(auto, mine)[0] == "p06"
+    assert run_command.choose_engine(SimpleNamespace(engine="m04"), mine) == ("m04", "--engine m04")
+    assert run_command.choose_engine(auto, named("solutions")) == ("p06", "the reference")
