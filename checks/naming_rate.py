@@ -1,0 +1,84 @@
+"""How well the kit NAMES mistakes it did not write itself: `python -m checks.naming_rate [MODULE ...]`.
+
+The mistakes under checks/selftests/independent/ (one folder per mistake, `<module>-<short-name>`, holding
+one changed module file) were written from the stubs' contracts and the reference solutions, without
+looking at the kit's mistake catalogue. For each one this runs `./check.sh <module> --impl <folder>
+--seed 3 --json ...` on a copy of solutions/ with that one file replaced, and sorts the outcome into:
+
+- passed: no check rejected the mistake (the checks are too weak for it);
+- named: rejected, and the report names known mistakes (listed in the report's ranking order);
+- unnamed: rejected, but the report names none.
+
+Per module it prints how many were rejected, how many of those were named, and how many were named
+FIRST with the id guessed in the folder's README.md (the last column of its table). Runs on a CPU,
+uses no network.
+"""
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+from checks.harness.report import Result, rank_mistakes
+
+KIT = Path(__file__).resolve().parent.parent
+MISTAKES = KIT / "checks" / "selftests" / "independent"
+FIELDS = set(Result.__dataclass_fields__)
+
+
+def guesses() -> dict[str, str]:
+    """The README's guessed catalogue id per mistake folder (its table: | folder | what | guess |)."""
+    rows = {}
+    for line in (MISTAKES / "README.md").read_text().splitlines():
+        cells = [c.strip().strip("`") for c in line.strip().strip("|").split("|")]
+        if len(cells) == 3 and re.fullmatch(r"p\d\d-[\w-]+", cells[0]):
+            rows[cells[0]] = cells[2]
+    return rows
+
+
+def judge(folder: Path) -> tuple[str, list[str], str]:
+    """Check one mistake: (verdict, named ids in ranking order, the module's stem)."""
+    changed = next(folder.glob("*.py"))
+    stem = changed.stem
+    with tempfile.TemporaryDirectory() as tmp:
+        impl = Path(tmp) / "impl"
+        shutil.copytree(KIT / "solutions", impl)
+        shutil.copy(changed, impl / changed.name)
+        out = Path(tmp) / "results.json"
+        subprocess.run(["./check.sh", stem.split("_")[0], "--impl", str(impl), "--seed", "3", "--json", str(out)],
+                       cwd=KIT, env={**os.environ, "KVLAB_PYTHON": os.environ.get("KVLAB_PYTHON", sys.executable)},
+                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        if not out.exists():
+            return "no json", [], stem
+        rows = [r for r in json.loads(out.read_text())["results"] if r.get("module") == stem]
+    if not any(r["status"] == "failed" for r in rows):
+        return ("kit error" if any(r["status"] == "kit error" for r in rows) else "passed"), [], stem
+    named = rank_mistakes([Result(**{k: v for k, v in r.items() if k in FIELDS}) for r in rows])
+    return ("named" if named else "unnamed"), named, stem
+
+
+def main(argv: list[str]) -> None:
+    wanted = [m.split("_")[0] for m in argv]
+    folders = sorted(f for f in MISTAKES.iterdir() if f.is_dir() and (not wanted or f.name.split("-")[0] in wanted))
+    guessed, totals = guesses(), {}
+    print(f"{'mistake':42} {'verdict':8} {'guess':32} named (ranked)")
+    for folder in folders:
+        verdict, named, stem = judge(folder)
+        guess = guessed.get(folder.name, "")
+        t = totals.setdefault(stem, {"mistakes": 0, "rejected": 0, "named": 0, "first=guess": 0})
+        t["mistakes"] += 1
+        t["rejected"] += verdict in ("named", "unnamed")
+        t["named"] += verdict == "named"
+        t["first=guess"] += bool(guess) and named[:1] == [guess]
+        print(f"{folder.name:42} {verdict:8} {guess or '-':32} {', '.join(named) or '-'}", flush=True)
+    print()
+    for stem, t in totals.items():
+        print(f"{stem}: " + ", ".join(f"{k} {v}" for k, v in t.items()))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
