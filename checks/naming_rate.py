@@ -1,16 +1,16 @@
 """How well the kit NAMES mistakes it did not write itself: `python -m checks.naming_rate [MODULE ...]`.
 
-The mistakes under checks/selftests/independent/ (one folder per mistake, `<module>-<short-name>`, holding
-one changed module file) were written from the stubs' contracts and the reference solutions, without
-looking at the kit's mistake catalogue. For each one this runs `./check.sh <module> --impl <folder>
---seed 3 --json ...` on a copy of solutions/ with that one file replaced, and sorts the outcome into:
+The mistakes under checks/selftests/independent/ (one file per mistake, `<module>-<short-name>.json`: the
+module file it changes and one exact edit of the reference, `old` -> `new`) were written from the stubs' contracts and the reference solutions, without
+looking at the kit's mistake catalogue. For each one this runs `./check.sh <module> --impl <copy>
+--seed 3 --json ...` on a copy of solutions/ with that one edit made, and sorts the outcome into:
 
 - passed: no check rejected the mistake (the checks are too weak for it);
 - named: rejected, and the report names known mistakes (listed in the report's ranking order);
 - unnamed: rejected, but the report names none.
 
 Per module it prints how many were rejected, how many of those were named, and how many were named
-FIRST with the id guessed in the folder's README.md (the last column of its table). Runs on a CPU,
+FIRST with the id guessed in the set's README.md (the last column of its table). Runs on a CPU,
 uses no network.
 """
 
@@ -31,7 +31,7 @@ FIELDS = set(Result.__dataclass_fields__)
 
 
 def guesses() -> dict[str, str]:
-    """The README's guessed catalogue id per mistake folder (its table: | folder | what | guess |)."""
+    """The README's guessed catalogue id per mistake (its table: | mistake | what | guess |)."""
     rows = {}
     for line in (MISTAKES / "README.md").read_text().splitlines():
         cells = [c.strip().strip("`") for c in line.strip().strip("|").split("|")]
@@ -40,14 +40,17 @@ def guesses() -> dict[str, str]:
     return rows
 
 
-def judge(folder: Path) -> tuple[str, list[str], str]:
+def judge(mistake: Path) -> tuple[str, list[str], str]:
     """Check one mistake: (verdict, named ids in ranking order, the module's stem)."""
-    changed = next(folder.glob("*.py"))
-    stem = changed.stem
+    edit = json.loads(mistake.read_text())
+    stem = edit["file"].removesuffix(".py")
     with tempfile.TemporaryDirectory() as tmp:
         impl = Path(tmp) / "impl"
         shutil.copytree(KIT / "solutions", impl)
-        shutil.copy(changed, impl / changed.name)
+        source = (impl / edit["file"]).read_text()
+        if source.count(edit["old"]) != 1:
+            return "stale", [], stem  # the reference changed under the edit: write the mistake again
+        (impl / edit["file"]).write_text(source.replace(edit["old"], edit["new"]))
         out = Path(tmp) / "results.json"
         subprocess.run(["./check.sh", stem.split("_")[0], "--impl", str(impl), "--seed", "3", "--json", str(out)],
                        cwd=KIT, env={**os.environ, "KVLAB_PYTHON": os.environ.get("KVLAB_PYTHON", sys.executable)},
@@ -63,18 +66,18 @@ def judge(folder: Path) -> tuple[str, list[str], str]:
 
 def main(argv: list[str]) -> None:
     wanted = [m.split("_")[0] for m in argv]
-    folders = sorted(f for f in MISTAKES.iterdir() if f.is_dir() and (not wanted or f.name.split("-")[0] in wanted))
+    mistakes = sorted(f for f in MISTAKES.glob("*.json") if not wanted or f.name.split("-")[0] in wanted)
     guessed, totals = guesses(), {}
     print(f"{'mistake':42} {'verdict':8} {'guess':32} named (ranked)")
-    for folder in folders:
-        verdict, named, stem = judge(folder)
-        guess = guessed.get(folder.name, "")
+    for mistake in mistakes:
+        verdict, named, stem = judge(mistake)
+        guess = guessed.get(mistake.stem, "")
         t = totals.setdefault(stem, {"mistakes": 0, "rejected": 0, "named": 0, "first=guess": 0})
         t["mistakes"] += 1
         t["rejected"] += verdict in ("named", "unnamed")
         t["named"] += verdict == "named"
         t["first=guess"] += bool(guess) and named[:1] == [guess]
-        print(f"{folder.name:42} {verdict:8} {guess or '-':32} {', '.join(named) or '-'}", flush=True)
+        print(f"{mistake.stem:42} {verdict:8} {guess or '-':32} {', '.join(named) or '-'}", flush=True)
     print()
     for stem, t in totals.items():
         print(f"{stem}: " + ", ".join(f"{k} {v}" for k, v in t.items()))
