@@ -390,15 +390,16 @@ def test_greedy_matches_hf(request, impl, seed, layout):
 
 
 def greedy_against_hf(request, impl, seed: int, layout: str, lengths, params: Params, config: Config, what: str,
-                      counter: tuple | None = None) -> None:
-    """Random prompts of `lengths`, greedy: HF's tokens, and `counter` = (stats name, test, what it should be)."""
+                      *counters: tuple) -> None:
+    """Random prompts of `lengths`, greedy: HF's tokens, and each of `counters` = (stats name, test, what it should
+    be)."""
     gen = torch.Generator().manual_seed(seed)
     prompts = random_prompts(gen, SHAPES[layout][0], lengths)
     run = Run(weights(seed, layout), prompts, [params] * len(lengths), config)
 
     def scenario(impl):
         expect_greedy(engine(impl, run), seed, layout, what)
-        if counter is not None:
+        for counter in counters:
             expect_count(run, *counter)
 
     with_blame(request, impl, scenario)
@@ -465,7 +466,9 @@ def test_chunked_prefill_keeps_the_tokens(request, impl, seed):
                       Config(max_num_batched_tokens=CHUNK_BUDGET), f"chunked prefill (budget {CHUNK_BUDGET})",
                       ("chunked_prefills", lambda n: n >= 2,
                        f"at least 2 prefill steps that compute part of a prompt: a 13-token prompt under a budget "
-                       f"of {CHUNK_BUDGET}"))
+                       f"of {CHUNK_BUDGET}"),
+                      ("tokens_out", lambda n: n == 3 * 4,
+                       "12 sampled tokens (3 prompts, 4 each): a chunk's row samples no token, so it counts none"))
 
 
 def expect_chunk_stores_only_its_tokens(impl, seed: int) -> None:

@@ -80,6 +80,13 @@ MISTAKES = [
                 "                noise[b].exponential_(generator=own)\n"),
     ),
     Mistake(
+        "tokens-out-counts-chunks",
+        "stats['tokens_out'] counts every row of a step, a chunk's too, not the tokens sampled",
+        "Count the rows that drew a token (the requests whose prompt is complete after the step): a chunk's row "
+        "samples nothing, so it adds nothing to tokens_out.",
+        replace('self.stats["tokens_out"] += len(rows)', 'self.stats["tokens_out"] += len(requests)'),
+    ),
+    Mistake(
         "cached-tokens-every-chunk",
         "stats['cached_tokens'] adds a request's cached prefix again at every chunk of its prompt",
         "Count the prefix cache's tokens once per request, in its first prefill step (num_computed_tokens == "
