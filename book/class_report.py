@@ -33,8 +33,8 @@ from book.build import environment
 from book.i18n import T, text
 from checks.harness.loader import ROOT
 from checks.harness.mistakes import catalogue
-from checks.harness.report import SHOWN_MISTAKES, Result, rank_mistakes
 from checks.harness.modules import modules
+from checks.harness.report import SHOWN_MISTAKES, Result, rank_mistakes
 
 HERE = Path(__file__).resolve().parent
 RESULT_FIELDS = {f.name for f in dataclasses.fields(Result)}

@@ -52,7 +52,7 @@ fi
 "$root/kvlab-venv/bin/pip" install -q -e "$here/kvlab"
 chmod -R go-rwx "$here"   # the kit (checks, solutions) is root's alone: an unsandboxed worker runs as nobody
 chmod 755 "$root/run_autograder" 2>/dev/null || true
-"$root/kvlab-venv/bin/python" -P -c 'import sys; sys.path.insert(0, sys.argv[1]); import checks.autograder' "$here/kvlab"
+cd "$here/kvlab" && "$root/kvlab-venv/bin/python" -P -c 'import sys; sys.path.insert(0, "."); import checks.autograder'
 echo "KV Lab autograder ready: $(cat "$here/kvlab/autograder.json")"
 """
 

@@ -237,8 +237,14 @@ def write_scores(out: Path, records: list[dict], stems: list[str]) -> Path:
 def main(argv: list[str]) -> int:
     args = parse(argv)
     from rich.console import Console
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, \
-        TimeRemainingColumn
+    from rich.progress import (
+        BarColumn,
+        MofNCompleteColumn,
+        Progress,
+        TextColumn,
+        TimeElapsedColumn,
+        TimeRemainingColumn,
+    )
 
     submissions, out = Path(args.submissions).expanduser(), Path(args.out).expanduser()
     if not submissions.is_dir():

@@ -1,9 +1,10 @@
 """How well the kit NAMES mistakes it did not write itself: `python -m checks.naming_rate [MODULE ...]`.
 
 The mistakes under checks/selftests/independent/ (one file per mistake, `<module>-<short-name>.json`: the
-module file it changes and one exact edit of the reference, `old` -> `new`) were written from the stubs' contracts and the reference solutions, without
-looking at the kit's mistake catalogue. For each one this runs `./check.sh <module> --impl <copy>
---seed 3 --json ...` on a copy of solutions/ with that one edit made, and sorts the outcome into:
+module file it changes and one exact edit of the reference, `old` -> `new`) were written from the stubs'
+contracts and the reference solutions, without looking at the kit's mistake catalogue. For each one this runs
+`./check.sh <module> --impl <copy> --seed 3 --json ...` on a copy of solutions/ with that one edit made, and
+sorts the outcome into:
 
 - passed: no check rejected the mistake (the checks are too weak for it);
 - named: rejected, and the report names known mistakes (listed in the report's ranking order);

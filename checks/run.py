@@ -47,20 +47,25 @@ def parse(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--chat", action="store_true", help="wrap each prompt in the model's chat template")
     parser.add_argument("--thinking", action=argparse.BooleanOptionalAction, default=None,
                         help="with --chat: Qwen3's enable_thinking on or off (default: the template's, on)")
-    parser.add_argument("--max-tokens", type=int, default=128, metavar="N", help="new tokens per prompt at most (default 128)")
+    parser.add_argument("--max-tokens", type=int, default=128, metavar="N",
+                        help="new tokens per prompt at most (default 128)")
     parser.add_argument("--temperature", type=float, default=0.0, metavar="T", help="0 (the default) is greedy")
     parser.add_argument("--top-k", type=int, default=0, metavar="K",
                         help="keep the K most likely tokens, and any tied with the K-th (0: all)")
-    parser.add_argument("--top-p", type=float, default=1.0, metavar="P", help="keep the smallest set with this much probability")
+    parser.add_argument("--top-p", type=float, default=1.0, metavar="P",
+                        help="keep the smallest set with this much probability")
     parser.add_argument("--seed", type=int, metavar="N", help="a seed for sampling (the same text every time)")
-    parser.add_argument("--impl", default="mine", metavar="IMPL", help="mine (default), solutions, or a folder with mine/'s file names")
+    parser.add_argument("--impl", default="mine", metavar="IMPL",
+                        help="mine (default), solutions, or a folder with mine/'s file names")
     parser.add_argument("--engine", choices=("auto", "p06", "m04"), default="auto",
                         help="p06 (your engine), m04 (your model, greedy) or auto: p06 once it passes its checks")
     parser.add_argument("--dtype", choices=("bfloat16", "float16", "float32"),
-                        help="the weights' dtype (default: bfloat16 on a GPU, float32 on the CPU)")
+                        help="the weights' dtype (default: bfloat16 for p06, whose attention kernel takes 16-bit "
+                             "floats; float32 for m04)")
     parser.add_argument("--compare", action="store_true",
                         help="also run Hugging Face's generate (greedy) and show where the texts part")
-    parser.add_argument("--time-limit", type=float, default=3600.0, metavar="S", help="seconds loading or generating may take")
+    parser.add_argument("--time-limit", type=float, default=3600.0, metavar="S",
+                        help="seconds loading or generating may take")
     parser.add_argument("--memory-limit", type=float, metavar="GIB",
                         help="GiB your code's process may use (default: 80%% of this machine's memory)")
     args = parser.parse_args(argv)

@@ -296,7 +296,8 @@ def _trace_alike(trace: list, events: list, tolerance_kind: str, results_compare
             continue
         if not results_compared and not _alike(done["result"], event.result, tolerance_kind):
             return False
-        if done["unchanged"] != (event.changed is None) or done.get("aliased", False) != getattr(event, "aliased", False):
+        aliased = getattr(event, "aliased", False)  # a rank call's result is never refused as an alias
+        if done["unchanged"] != (event.changed is None) or done.get("aliased", False) != aliased:
             return False  # a generic failure (an input changed, a view returned) is the mutant's only if it does it too
         for key, after in event.written.items():
             if not _alike(done["written"][key], whole_storage(after), tolerance_kind):
@@ -316,7 +317,8 @@ def _trace_distance(trace: list, events: list, tolerance_kind: str) -> float:
     calls = [(e, t) for e, t in zip(events, trace + [None] * (len(events) - len(trace))) if not isinstance(e, New)]
     if not calls:
         return 1.0
-    return sum(1.0 if t is None else _value_distance(t["result"], e.result, tolerance_kind) for e, t in calls) / len(calls)
+    wrong = [1.0 if t is None else _value_distance(t["result"], e.result, tolerance_kind) for e, t in calls]
+    return sum(wrong) / len(wrong)
 
 
 def _value_distance(a, b, tolerance_kind: str) -> float:

@@ -266,8 +266,8 @@ def render(results: list[Result], seed: int, seconds: float, file=None, selectio
             for mistake_id in ranking[:SHOWN_MISTAKES]:
                 mistake = catalogue(stem).mistake(mistake_id)
                 n = len({r.check for r in rows if mistake_id in r.mistakes})
-                indented(f"[bold]{mistake_id}[/] — {escape(mistake.title)} [dim](reproduces {plural(n, 'failing check')})"
-                         f"[/]", 2)
+                reproduces = plural(n, "failing check")
+                indented(f"[bold]{mistake_id}[/] — {escape(mistake.title)} [dim](reproduces {reproduces})[/]", 2)
                 indented(escape(mistake.hint), 4)
             if len(ranking) > SHOWN_MISTAKES:
                 indented(f"[dim]{plural(len(ranking) - SHOWN_MISTAKES, 'other known mistake')} also reproduce some of "

@@ -83,8 +83,8 @@ def test_a_mutant_that_tries_to_read_the_kit_is_named_and_scores_less(autograder
     os.chmod(kit, 0o700)  # what setup.sh's `chmod -R go-rwx` leaves for the worker to see
     stolen = kit / "kvlab" / "solutions" / f"{STEM}.py"
     mutant = catalogue(STEM).mistake("sum-not-mean").patch((ROOT / "solutions" / f"{STEM}.py").read_text())
-    thief = mutant + f"\n\ntry:  # the reference, if this process can read it\n    exec(open({str(stolen)!r}).read())\n" \
-                     "except OSError:\n    pass\n"
+    thief = mutant + "\n\ntry:  # the reference, if this process can read it\n" \
+                     f"    exec(open({str(stolen)!r}).read())\nexcept OSError:\n    pass\n"
     try:
         results = grade(autograder, {f"{STEM}.py": thief}, sandbox=False)
     finally:

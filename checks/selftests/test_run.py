@@ -38,8 +38,9 @@ def hf_generate(folder, ids: list[int], dtype: torch.dtype, device: str = "cpu")
     model = Qwen3ForCausalLM.from_pretrained(str(folder), dtype=dtype).to(device)
     stops = model.generation_config.eos_token_id
     with torch.no_grad():
-        out = model.generate(torch.tensor([ids], device=device), max_new_tokens=NEW, do_sample=False, eos_token_id=stops,
-                             pad_token_id=stops[0], output_logits=True, return_dict_in_generate=True)
+        out = model.generate(torch.tensor([ids], device=device), max_new_tokens=NEW, do_sample=False,
+                             eos_token_id=stops, pad_token_id=stops[0], output_logits=True,
+                             return_dict_in_generate=True)
     tokens = run_command.cut_at_stop(out.sequences[0, len(ids):].tolist(), stops)
     best = [torch.topk(step[0].float(), 2).values for step in out.logits]
     return tokens, [float(b[0] - b[1]) for b in best], [float(b[0]) for b in best]
