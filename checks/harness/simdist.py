@@ -2,7 +2,7 @@
 
 `run_ranks(function, per_rank_args, world_size)` runs `function` once per rank, each in a thread that
 `torch.distributed` sees as that rank: while it runs, the module's collectives (`all_reduce`, `gather`,
-`all_gather`, `broadcast`, `barrier`) and `get_rank` / `get_world_size` / `is_initialized` are replaced
+`all_gather`, `broadcast`, `barrier`, `all_to_all`, `all_to_all_single`) and `get_rank` / `get_world_size` / `is_initialized` are replaced
 by versions that meet at a barrier. Sums add the ranks' tensors in rank order. Learner code never runs
 here: it runs in workers joined in a real process group (`ranks.py`).
 """
@@ -60,12 +60,23 @@ class _Group:
     def broadcast(self, tensor, src=0, group=None, async_op=False):
         tensor.copy_(self.exchange(tensor.clone())[src])
 
+    def all_to_all(self, output_tensor_list, input_tensor_list, group=None, async_op=False):
+        sent = self.exchange([t.clone() for t in input_tensor_list])  # sent[s][r]: what rank s sends rank r
+        for out, parts in zip(output_tensor_list, sent):
+            out.copy_(parts[self.rank()])
+
+    def all_to_all_single(self, output, input, output_split_sizes=None, input_split_sizes=None, group=None,
+                          async_op=False):
+        sizes = input_split_sizes or [input.shape[0] // self.world_size] * self.world_size
+        sent = self.exchange([part.clone() for part in input.split(list(sizes))])
+        output.copy_(torch.cat([parts[self.rank()] for parts in sent]).reshape(output.shape))
+
     def barrier_(self, group=None, async_op=False):
         self.exchange(None)
 
 
-_NAMES = ("all_reduce", "gather", "all_gather", "broadcast", "barrier", "get_rank", "get_world_size",
-          "is_initialized")
+_NAMES = ("all_reduce", "gather", "all_gather", "broadcast", "barrier", "all_to_all", "all_to_all_single", "get_rank",
+          "get_world_size", "is_initialized")
 _lock = threading.Lock()  # one simulated group at a time
 
 
@@ -75,6 +86,7 @@ def _patched(group: _Group):
     simulated = group
     replacements = {"all_reduce": group.all_reduce, "gather": group.gather, "all_gather": group.all_gather,
                     "broadcast": group.broadcast, "barrier": group.barrier_,
+                    "all_to_all": group.all_to_all, "all_to_all_single": group.all_to_all_single,
                     "get_rank": lambda group=None: simulated.rank(),
                     "get_world_size": lambda group=None: simulated.world_size, "is_initialized": lambda: True}
     for name, value in replacements.items():
