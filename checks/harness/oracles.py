@@ -363,3 +363,81 @@ def hf_greedy(model: modeling_qwen3.Qwen3ForCausalLM, prompt_ids: torch.Tensor, 
     logits = torch.stack(out.logits)[:, 0]  # [new_tokens, V]
     top2 = logits.topk(2, dim=-1).values
     return out.sequences[0, prompt_ids.shape[0]:], top2[:, 0] - top2[:, 1]
+
+
+# ---- the sparse MoE block (p08) ---------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, eq=False)
+class MoEBlockWeights:
+    """A `MoEWeights` as the checks hold it: Hugging Face's `Qwen3MoeExperts` layout."""
+
+    router: torch.Tensor  # [E, hidden]
+    gate_up_proj: torch.Tensor  # [E, 2*I, hidden]: gate rows, then up rows
+    down_proj: torch.Tensor  # [E, hidden, I]
+    top_k: int
+    norm_topk_prob: bool
+
+    @property
+    def num_experts(self) -> int:
+        return self.router.shape[0]
+
+    def to(self, dtype: torch.dtype) -> "MoEBlockWeights":
+        return replace(self, router=self.router.to(dtype), gate_up_proj=self.gate_up_proj.to(dtype),
+                       down_proj=self.down_proj.to(dtype))
+
+    @classmethod
+    def random(cls, gen: torch.Generator, experts: int, hidden: int, intermediate: int, top_k: int,
+               norm_topk_prob: bool) -> "MoEBlockWeights":
+        """Experts whose outputs are O(1) (projections ~ N(0, 1/fan_in)) and a router whose logits spread over
+        a few units (std 2), so that most tokens' k-th and (k+1)-th experts are far apart."""
+
+        def normal(*shape, std):
+            return torch.randn(*shape, generator=gen, dtype=torch.float64).mul(std).float()
+
+        return cls(router=normal(experts, hidden, std=2 * hidden**-0.5),
+                   gate_up_proj=normal(experts, 2 * intermediate, hidden, std=hidden**-0.5),
+                   down_proj=normal(experts, hidden, intermediate, std=intermediate**-0.5),
+                   top_k=top_k, norm_topk_prob=norm_topk_prob)
+
+
+def qwen3_moe_config(w: MoEBlockWeights):
+    """The `Qwen3MoeConfig` of one sparse block (eager experts: the loop the checks trust, not a fused kernel)."""
+    from transformers.models.qwen3_moe import configuration_qwen3_moe
+
+    config = configuration_qwen3_moe.Qwen3MoeConfig(
+        hidden_size=w.router.shape[1], moe_intermediate_size=w.down_proj.shape[2], num_experts=w.num_experts,
+        num_experts_per_tok=w.top_k, norm_topk_prob=w.norm_topk_prob, num_hidden_layers=1, vocab_size=64)
+    config._experts_implementation = "eager"
+    return config
+
+
+def hf_moe_module(w: MoEBlockWeights, dtype: torch.dtype):
+    """HF `Qwen3MoeSparseMoeBlock` holding exactly these weights, in `dtype`."""
+    from transformers.models.qwen3_moe import modeling_qwen3_moe
+
+    block = modeling_qwen3_moe.Qwen3MoeSparseMoeBlock(qwen3_moe_config(w)).to(dtype).eval()
+    with torch.no_grad():
+        block.gate.weight.copy_(w.router)
+        block.experts.gate_up_proj.copy_(w.gate_up_proj)
+        block.experts.down_proj.copy_(w.down_proj)
+    return block
+
+
+def hf_moe(w: MoEBlockWeights, x: torch.Tensor, dtype: torch.dtype = torch.float64) -> torch.Tensor:
+    """HF `Qwen3MoeSparseMoeBlock` on `x` `[T, hidden]` (or `[B, S, hidden]`), computed in `dtype`: x's shape."""
+    block = hf_moe_module(w, dtype)
+    with torch.no_grad():
+        return block(x.to(dtype).reshape(-1, *x.shape[-2:]) if x.dim() == 3 else x.to(dtype)[None])\
+            .reshape(x.shape)
+
+
+def hf_route(w: MoEBlockWeights, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """HF `Qwen3MoeTopKRouter` on `x` `[T, hidden]` in x's dtype: (weights [T, k] in x's dtype, expert ids [T, k])."""
+    from transformers.models.qwen3_moe import modeling_qwen3_moe
+
+    router = modeling_qwen3_moe.Qwen3MoeTopKRouter(qwen3_moe_config(w)).to(x.dtype)
+    with torch.no_grad():
+        router.weight.copy_(w.router)
+        _, weights, expert_ids = router(x)
+    return weights, expert_ids

@@ -283,7 +283,99 @@ def combine(entered: list[tuple]) -> tuple[list[tuple], set[int]]:
         made = ", ".join(f"rank {r} {n}" for r, n in enumerate(names))
         return [("collective-error", f"the ranks made different collectives at once ({made}): every rank must make "
                                      "the same collectives in the same order")] * world, set()
+    if names[0] in ("all_to_all", "all_to_all_single"):
+        return _all_to_all(names[0], entered)
     return _combine(names[0], entered), _misfits(names[0], entered)
+
+
+class _Misfit(Exception):
+    """One rank's part of an all_to_all does not fit: `rank` is the one to blame."""
+
+    def __init__(self, rank: int, why: str):
+        super().__init__(why)
+        self.rank = rank
+
+
+def _shown(shape, dtype) -> str:
+    return f"{list(shape)} {str(dtype).removeprefix('torch.')}"
+
+
+def _all_to_all(name: str, entered: list[tuple]) -> tuple[list[tuple], set[int]]:
+    """Rank r's share of an all_to_all: from every rank s (in rank order) the piece s sends r. A piece that
+    does not fit where r receives it blames the rank whose split or room is wrong, and every rank is told."""
+    world = len(entered)
+    try:
+        parts = [dict(part) for _, part in entered]
+        pieces = [_pieces(name, part, rank, world) for rank, part in enumerate(parts)]  # pieces[s][r]: s -> r
+        answers = []
+        for r, part in enumerate(parts):
+            got = [pieces[s][r] for s in range(world)]
+            if name == "all_to_all":
+                outs = part.get("outs")
+                if not isinstance(outs, list) or len(outs) != world:
+                    raise _Misfit(r, f"rank {r} gave {len(outs) if isinstance(outs, list) else 'no list of'} output "
+                                     f"tensors for {world} ranks")
+                for s, (piece, out) in enumerate(zip(got, outs)):
+                    if out is None or (tuple(out[0]), out[1]) != (tuple(piece.shape), piece.dtype):
+                        room = "no tensor" if out is None else _shown(*out)
+                        raise _Misfit(r, f"rank {s} sends rank {r} {_shown(piece.shape, piece.dtype)}, rank {r}'s "
+                                         f"output tensor {s} is {room}")
+                answers.append(("collective-result", got))
+                continue
+            out, out_splits = part.get("out"), part.get("out_splits")
+            if out is None:
+                raise _Misfit(r, f"rank {r} gave no output tensor")
+            if out_splits is not None:
+                if len(out_splits) != world or not all(isinstance(n, int) for n in out_splits):
+                    raise _Misfit(r, f"rank {r}'s output_split_sizes {out_splits} is not {world} sizes")
+                for s, piece in enumerate(got):
+                    if piece.shape[0] != out_splits[s]:
+                        raise _Misfit(r, f"rank {s} sends rank {r} {piece.shape[0]} rows, rank {r} expects "
+                                         f"{out_splits[s]} from it (output_split_sizes {out_splits})")
+            joined = torch.cat(got) if got[0].dim() else torch.stack(got)
+            if joined.numel() != _numel(out[0]) or joined.dtype != out[1] or tuple(joined.shape[1:]) != \
+                    tuple(out[0][1:]):
+                raise _Misfit(r, f"rank {r} receives {_shown(joined.shape, joined.dtype)} in all, its output tensor "
+                                 f"is {_shown(*out)}")
+            answers.append(("collective-result", joined.reshape(out[0])))
+        return answers, set()
+    except _Misfit as misfit:
+        why = f"torch.distributed.{name}: {misfit}"
+        return [("collective-error", why if r == misfit.rank else f"torch.distributed.{name}: rank {misfit.rank}'s "
+                 f"part did not fit") for r in range(world)], {misfit.rank}
+    except Exception as error:  # noqa: BLE001 - what the ranks sent is theirs: each gets the reason
+        return [("collective-error", f"torch.distributed.{name}: {error}")] * world, set()
+
+
+def _numel(shape) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+def _pieces(name: str, part: dict, rank: int, world: int) -> list[torch.Tensor]:
+    """What rank `rank` sends each rank, in rank order."""
+    if name == "all_to_all":
+        tensors = part.get("tensors")
+        if not isinstance(tensors, list) or len(tensors) != world or \
+                not all(isinstance(t, torch.Tensor) for t in tensors):
+            raise _Misfit(rank, f"rank {rank} gave {len(tensors) if isinstance(tensors, list) else 'no list of'} "
+                                f"input tensors for {world} ranks")
+        return tensors
+    tensor, splits = part.get("tensor"), part.get("splits")
+    if not isinstance(tensor, torch.Tensor):
+        raise _Misfit(rank, f"rank {rank} gave no input tensor")
+    rows = tensor.shape[0] if tensor.dim() else 0
+    if splits is None:
+        if rows % world:
+            raise _Misfit(rank, f"rank {rank}'s input has {rows} rows, which do not split equally over {world} "
+                                f"ranks (give input_split_sizes)")
+        splits = [rows // world] * world
+    if len(splits) != world or not all(isinstance(n, int) and n >= 0 for n in splits) or sum(splits) != rows:
+        raise _Misfit(rank, f"rank {rank}'s input_split_sizes {splits} are not {world} sizes adding up to its "
+                            f"input's {rows} rows")
+    return list(tensor.split(splits))
 
 
 def _misfits(name: str, entered: list[tuple]) -> set[int]:

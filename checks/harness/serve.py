@@ -352,7 +352,8 @@ COLLECTIVES = ("all_reduce", "gather", "all_gather", "all_gather_into_tensor", "
                "recv", "isend", "irecv", "batch_isend_irecv", "all_gather_object", "broadcast_object_list")
 
 
-CARRIED = ("all_reduce", "reduce", "broadcast", "all_gather", "all_gather_into_tensor", "gather", "barrier")
+CARRIED = ("all_reduce", "reduce", "broadcast", "all_gather", "all_gather_into_tensor", "gather", "barrier",
+           "all_to_all", "all_to_all_single")
 
 
 def _carried(worker: Worker, name: str, original):
@@ -378,9 +379,16 @@ def _carried(worker: Worker, name: str, original):
         for key in ("src", "dst", "group_src", "group_dst"):
             if a.get(key) is not None:
                 part[key.removeprefix("group_")] = int(a[key])
-        tensor = a.get("tensor", a.get("input_tensor"))
+        tensor = a.get("tensor", a.get("input_tensor", a.get("input")))
         if isinstance(tensor, torch.Tensor):
             part["tensor"] = tensor.detach()
+        if name == "all_to_all_single":  # the splits (None: equal parts) and the room the rank gives for its share
+            part["splits"] = _sizes(a["input_split_sizes"])
+            part["out_splits"] = _sizes(a["output_split_sizes"])
+            part["out"] = _layout(a["output"])
+        elif name == "all_to_all":  # a tensor for each rank, and a tensor to fill from each rank
+            part["tensors"] = [t.detach() if isinstance(t, torch.Tensor) else t for t in a["input_tensor_list"]]
+            part["outs"] = [_layout(t) for t in a["output_tensor_list"]]
         result = worker.collective(name, part)
         with torch.no_grad():
             if name in ("all_reduce", "broadcast") or (name == "reduce" and result is not None):
@@ -393,11 +401,29 @@ def _carried(worker: Worker, name: str, original):
             elif name == "gather" and a.get("gather_list") is not None and result is not None:
                 for out, got in zip(a["gather_list"], result):
                     out.copy_(got)
+            elif name == "all_to_all_single":
+                a["output"].copy_(result)
+            elif name == "all_to_all":
+                for out, got in zip(a["output_tensor_list"], result):
+                    out.copy_(got)
         return _Done() if a.get("async_op") else None
 
     collective.__name__ = collective.__qualname__ = name
     collective.__doc__ = original.__doc__
     return collective
+
+
+def _sizes(sizes) -> list | None:
+    """A split-size list as plain ints (None stays None: equal parts); anything else as given, for the checks to refuse."""
+    try:
+        return None if sizes is None else [int(n) for n in sizes]
+    except (TypeError, ValueError):
+        return [str(sizes)]
+
+
+def _layout(tensor) -> tuple | None:
+    """The shape and dtype of a tensor a collective writes into (None for something that is not a tensor)."""
+    return (list(tensor.shape), tensor.dtype) if isinstance(tensor, torch.Tensor) else None
 
 
 class _Done:

@@ -17,7 +17,7 @@ from pathlib import Path
 
 GIVEN_CLASSES = {"KVCache", "Sequence", "Block", "PrefillMetadata", "DecodeMetadata",  # classes a stub ships complete
                  "Qwen3Layer", "Qwen3Weights", "Request", "SamplingParams", "EngineConfig", "TPLayer", "TPWeights",
-                 "TensorParallel"}
+                 "TensorParallel", "MoEWeights", "Permutation", "EPShard"}
 # methods of a learner's class that a stub ships complete
 GIVEN_METHODS = {"BlockManager.__init__", "Scheduler.__init__", "Scheduler.add", "Scheduler.is_finished",
                  "ModelRunner.__init__", "LLM.__init__", "LLM.close", "LLM._blocks_that_fit"}
