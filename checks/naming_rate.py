@@ -8,6 +8,9 @@ sorts the outcome into:
 
 - passed: no check rejected the mistake (the checks are too weak for it);
 - named: rejected, and the report names known mistakes (listed in the report's ranking order);
+- cause: rejected, the report names none, and every failing case gives a cause that needs no catalogue (a value
+  returned as a view of an input, an exception, a time-out, a dtype or shape): the right outcome where the
+  guess column says `(cause)`;
 - unnamed: rejected, but the report names none.
 
 Per module it prints how many were rejected, how many of those were named, and how many were named
@@ -29,6 +32,9 @@ from checks.harness.report import Result, rank_mistakes
 KIT = Path(__file__).resolve().parent.parent
 MISTAKES = KIT / "checks" / "selftests" / "independent"
 FIELDS = set(Result.__dataclass_fields__)
+# what a failing case's reason says when the cause is plain without a catalogue (the report's own wording)
+CAUSES = re.compile(r"returned one of its inputs|raised |did not return within|: shape \[|returned shape |returned a |"
+                    r"expected \w+ \(the input.s dtype\)|was killed by")
 
 
 def guesses() -> dict[str, str]:
@@ -62,6 +68,8 @@ def judge(mistake: Path) -> tuple[str, list[str], str]:
     if not any(r["status"] == "failed" for r in rows):
         return ("kit error" if any(r["status"] == "kit error" for r in rows) else "passed"), [], stem
     named = rank_mistakes([Result(**{k: v for k, v in r.items() if k in FIELDS}) for r in rows])
+    if not named and all(CAUSES.search(r["reason"]) for r in rows if r["status"] == "failed"):
+        return "cause", ["(cause)"], stem
     return ("named" if named else "unnamed"), named, stem
 
 
@@ -73,10 +81,11 @@ def main(argv: list[str]) -> None:
     for mistake in mistakes:
         verdict, named, stem = judge(mistake)
         guess = guessed.get(mistake.stem, "")
-        t = totals.setdefault(stem, {"mistakes": 0, "rejected": 0, "named": 0, "first=guess": 0})
+        t = totals.setdefault(stem, {"mistakes": 0, "rejected": 0, "named": 0, "cause": 0, "first=guess": 0})
         t["mistakes"] += 1
-        t["rejected"] += verdict in ("named", "unnamed")
+        t["rejected"] += verdict in ("named", "cause", "unnamed")
         t["named"] += verdict == "named"
+        t["cause"] += verdict == "cause"
         t["first=guess"] += bool(guess) and named[:1] == [guess]
         print(f"{mistake.stem:42} {verdict:8} {guess or '-':32} {', '.join(named) or '-'}", flush=True)
     print()

@@ -38,7 +38,8 @@ pytestmark = pytest.mark.p06
 
 TOLERANCE_KIND = "sampler"
 # What `./check.sh grade` awards: a check's points, shared out over its cases (a module is worth the sum,
-# 41). An optional oracle's check (absent on most machines) is worth nothing.
+# 43, less the CUDA-graph check's 2 where there is no GPU). An optional oracle's check (absent on most machines)
+# is worth nothing.
 POINTS = {
     "test_toy_probabilities": 2,
     "test_toy_sample": 1,
@@ -52,6 +53,7 @@ POINTS = {
     "test_seeded_requests_do_not_depend_on_the_batch": 3,
     "test_first_token_follows_the_distribution": 4,
     "test_engine_loads_a_local_checkpoint_folder": 1,
+    "test_decode_graph_pads_without_storing": 2,
     "test_two_ranks_give_the_tokens_of_one": 4,
 }
 CONTRACTS = {
@@ -384,9 +386,14 @@ GREEDY_RUNS = {**{layout: ((5, 13), 3, Config()) for layout in LAYOUTS},
 
 @pytest.mark.parametrize("layout", GREEDY_RUNS)
 def test_greedy_matches_hf(request, impl, seed, layout):
-    """greedy tokens of a batch of prompts of different lengths are HF's"""
+    """greedy tokens of a batch of prompts of different lengths are HF's, in one prefill step and one decode step
+    per further token"""
     lengths, new_tokens, config = GREEDY_RUNS[layout]
-    greedy_against_hf(request, impl, seed, layout, lengths, Params(max_tokens=new_tokens), config, "greedy batch")
+    greedy_against_hf(request, impl, seed, layout, lengths, Params(max_tokens=new_tokens), config, "greedy batch",
+                      ("prefill_steps", lambda n: n == 1, f"1: the {counted(len(lengths), 'prompt')} fit one step"),
+                      ("decode_steps", lambda n: n == new_tokens - 1,
+                       f"{new_tokens - 1}: one per step that decodes, whatever its batch ({new_tokens} tokens each, "
+                       "the first from the prefill)"))
 
 
 def greedy_against_hf(request, impl, seed: int, layout: str, lengths, params: Params, config: Config, what: str,
@@ -513,6 +520,53 @@ def expect_chunk_stores_only_its_tokens(impl, seed: int) -> None:
                            f"is what p01's Sequence takes as cached)")
 
 
+GRAPH_PROMPTS = (5, 9, 7)  # three requests decode together: the graph of 4 rows replays with one padding row
+
+
+def test_decode_graph_pads_without_storing(impl, seed):
+    """on a GPU, a decode step of 3 requests replays the CUDA graph of 4 rows: the padding row stores nothing
+    (slot -1) and the 3 real rows' logits give HF's next tokens"""
+    if DEVICE.type != "cuda":
+        pytest.skip("CUDA graphs need a GPU: this check runs where ./check.sh finds one")
+    layout = "L2-H2-KVH1-D16"
+    gen = torch.Generator().manual_seed(seed)
+    prompts = random_prompts(gen, SHAPES[layout][0], GRAPH_PROMPTS)
+    config = Config(max_num_seqs=4)
+    scheduler = impl.Scheduler(config.num_blocks, config.block_size, config.max_num_seqs, config.max_num_batched_tokens,
+                               config.eos_token_id)
+    for i, prompt in enumerate(prompts):
+        scheduler.add(i, list(prompt), 4, True)
+    runner = impl.ModelRunner(on_device(weights(seed, layout)), config.num_blocks, config.block_size,
+                              config.max_num_seqs, config.max_model_len, True)
+    first, _ = scheduler.schedule()
+    scheduler.postprocess(first, [int(t) for t in runner.prefill(first).argmax(-1).tolist()])
+    step, is_prefill = scheduler.schedule()
+    if is_prefill or len(step) != len(prompts):
+        raise Mismatch(f"your Scheduler's second step is {'a prefill' if is_prefill else 'a decode'} of "
+                       f"{counted(len(step), 'request')}, expected a decode of all {len(prompts)} (./check.sh p05)")
+    size = config.block_size
+    slots = sorted(r.block_table[(len(r) - 1) // size] * size + (len(r) - 1) % size for r in step)
+    before = runner.k_caches
+    logits = runner.decode(step)
+    written = (runner.k_caches.cpu() != before.cpu()).flatten(3).any(-1).any(0).flatten()  # [num_blocks * block_size]
+    stored = written.nonzero().flatten().tolist()
+    if stored != slots:
+        extra = sorted(set(stored) - set(slots))
+        raise Mismatch(f"ModelRunner.decode of {len(step)} requests through the graph of 4 rows stored keys into slots "
+                       f"{stored}, expected only {slots} (the requests' new tokens)"
+                       + (f": slot {extra[0]} is the padding row's; give padding rows slot -1, so "
+                          "store_kvcache skips them" if extra else ""))
+    model = hf64(seed, layout)
+    for row, r in enumerate(step):
+        ids = torch.tensor(list(r.token_ids))  # the prompt and the token the prefill sampled
+        with torch.no_grad():
+            expected = model(ids[None], use_cache=False).logits[0, -1]  # [V]
+        token, best = int(logits[row].argmax()), int(expected.argmax())
+        if expected[token] < expected[best] - NEAR_TIE:
+            raise Mismatch(f"ModelRunner.decode through the graph of 4 rows: row {row}'s logits pick id {token}, HF's "
+                           f"argmax is id {best}: read the graph's output rows 0..{len(step) - 1}, the real ones")
+
+
 def test_stops_at_eos_unless_ignored(request, impl, seed):
     """a request stops at the stop token (kept as its last token), one with ignore_eos goes on"""
     layout = "L2-H2-KVH1-D16"
@@ -550,8 +604,8 @@ HOT_TOKENS = 5
 
 
 def test_seeded_requests_do_not_depend_on_the_batch(request, impl, seed):
-    """a seeded request samples the same tokens alone and in a chunked batch with others, and its generator goes on
-    from step to step"""
+    """a seeded request samples the same tokens alone, in a chunked batch with others and behind a greedy request,
+    and its generator goes on from step to step"""
     layout = "L2-H2-KVH1-D16"
     gen = torch.Generator().manual_seed(seed)
     prompts = random_prompts(gen, 64, (9, 5, 6))
@@ -562,6 +616,7 @@ def test_seeded_requests_do_not_depend_on_the_batch(request, impl, seed):
     # one layer and one head: the draws are the sampler's doing, not the layers'
     hot = Run(weights(seed, ONE_HEAD), prompts[1:2],
               [Params(temperature=HOT, max_tokens=HOT_TOKENS, seed=seed % 10_000)], Config())
+    mixed = Run(hot.w, prompts[2:3] + prompts[1:2], [Params(max_tokens=HOT_TOKENS)] + hot.params, Config())
 
     def scenario(impl):
         engine(impl, alone)
@@ -573,6 +628,11 @@ def test_seeded_requests_do_not_depend_on_the_batch(request, impl, seed):
                            f"one per token it keeps")
         engine(impl, hot)
         tokens = hot.outputs[0]
+        engine(impl, mixed)
+        if mixed.outputs[1] != tokens:
+            raise Mismatch(f"the seeded request at temperature {HOT:g} gave {tokens} alone and {mixed.outputs[1]} "
+                           "behind a greedy request: each row samples at its own temperature (all argmax only when "
+                           "every row is greedy)")
         if len(set(tokens)) == 1:
             raise Mismatch(f"a seeded request at temperature {HOT:g} (its 64 tokens all but equally likely) gave "
                            f"{tokens}: the same token {len(tokens)} times, as if every step drew the same noise. Its "

@@ -89,6 +89,10 @@ class Mistake:
     title: str  # what the learner did, in a few words
     hint: str  # one sentence on how to find it in their code
     patch: Patch
+    needs: str = ""  # "cuda": only a run on a GPU can reject it (a CUDA graph's padding); elsewhere it is left out
+
+    def runs_here(self) -> bool:
+        return self.needs != "cuda" or torch.cuda.is_available()
 
 
 @dataclass(frozen=True)
@@ -163,7 +167,7 @@ def identify(events: list, stem: str, tolerance_kind: str, time_limit: float,
     if any(memo[0] != stem for memo in _REPLAYED):
         _REPLAYED.clear()  # a run checks one module after another: keep only this one's replays
     for mistake in catalogue(stem).mistakes:
-        if only is not None and not only(mistake.id):
+        if (only is not None and not only(mistake.id)) or not mistake.runs_here():
             continue
         try:
             module = catalogue(stem).implementation(mistake).load(stem)

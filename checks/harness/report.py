@@ -45,6 +45,9 @@ class Result:
     # a failing case's distance to each catalogued mistake replayed on it: 0 where it reproduces the learner's
     # outputs (those are `mistakes`), else the share of values it gets wrong (ranks the names: rank_mistakes)
     distances: dict = field(default_factory=dict)
+    # catalogued mistakes this failure reproduces whose mutant gives other outputs than the learner's code on a
+    # check it PASSED: not the learner's mistake, whatever they share (rank_mistakes leaves them out)
+    contradicted: list[str] = field(default_factory=list)
 
 
 REASON_LIMIT = 300  # characters of one reason: what a learner's code says is cut here, before any output
@@ -91,6 +94,8 @@ class Reporter:
         self.results: list[Result] = []
         self.collected: list = []
         self.named: set[str] = set()  # labels of mutants a check has rejected by their own id
+        # (module, implementation) -> what each check it passed recorded, to test the names against (contradict)
+        self.passed: dict[tuple[str, str], list] = {}
         self.started = time.perf_counter()
 
     def pytest_collection_finish(self, session):
@@ -129,6 +134,7 @@ class Reporter:
             result.reason = result.reason.removeprefix("Skipped: ")
             return result
         if call.excinfo is None:
+            self.keep_passed(item, stem, impl, guarded)
             return result
         error = call.excinfo.value
         if isinstance(error, NotStarted):
@@ -188,8 +194,33 @@ class Reporter:
         self.distances = {k: round(v, 4) for k, v in distances.items()}
         return found
 
+    def keep_passed(self, item, stem: str, label: str, guarded) -> None:
+        """Keep a passed check's calls (a learner's, not the catalogue's own mutants and variants): a name its
+        failures suggest must not contradict them (`contradict`)."""
+        if guarded is None or not guarded.events or label.split(":", 1)[0] in ("mutant", "variant", "broken") or \
+                item.originalname in getattr(item.module, "UNNAMED", ()):
+            return
+        self.passed.setdefault((stem, label), []).append(
+            (list(guarded.events), getattr(item.module, "TOLERANCE_KIND", "elementwise"), guarded.time_limit))
+
+    def contradict(self) -> None:
+        """Where a learner's failures reproduce two or more mistakes, replay them on the checks that learner PASSED:
+        a mistake whose mutant gives other outputs there is not theirs (a mutant that also changes what the learner
+        got right explains the failures by accident), and its rows say so in `contradicted`."""
+        for (stem, label), passed in self.passed.items():
+            rows = [r for r in self.results if (r.module, r.impl) == (stem, label) and r.status == "failed"]
+            suggested = list(dict.fromkeys(m for r in rows for m in r.mistakes))
+            if len(suggested) < 2:
+                continue  # one name or none: nothing to choose between (a replay of a whole engine run costs seconds)
+            wrong = [m for m in suggested
+                     if any(not identify(events, stem, kind, limit, only=lambda i, m=m: i == m)
+                            for events, kind, limit in passed)]
+            for r in rows:
+                r.contradicted = [m for m in r.mistakes if m in wrong]
+
     def pytest_sessionfinish(self, session):
         self.deny_missing()
+        self.contradict()
         if self.render:
             render(self.results, self.config.kvlab_seed, time.perf_counter() - self.started,
                    selection=self.config.getoption("keyword", "") or "", next_steps=self.next_steps)
@@ -299,11 +330,14 @@ def rank_mistakes(rows: list[Result]) -> list[str]:
     """The known mistakes the rows' failures reproduce, best first: by how many failing checks each reproduces,
     then how close its outputs come to the learner's on the failing cases it does not reproduce (the share of
     values it gets wrong, summed), then the page's order of pitfalls. A mistake that another one beats on
-    every failing case (as close or closer everywhere, closer somewhere) is not named."""
+    every failing case (as close or closer everywhere, closer somewhere) is not named, nor one whose mutant
+    gives other outputs than the learner's code on a check the learner passed (`Result.contradicted`)."""
     checks: dict[str, set] = {}
+    wrong = {m for r in rows for m in r.contradicted}
     for r in rows:
         for mistake_id in r.mistakes:
-            checks.setdefault(mistake_id, set()).add(r.check)
+            if mistake_id not in wrong:
+                checks.setdefault(mistake_id, set()).add(r.check)
     measured = [r for r in rows if r.distances]
 
     def distance(m: str, r: Result) -> float:
@@ -312,7 +346,7 @@ def rank_mistakes(rows: list[Result]) -> list[str]:
     def beaten(m: str) -> bool:
         return any(all(distance(o, r) <= distance(m, r) for r in measured) and
                    any(distance(o, r) < distance(m, r) for r in measured)
-                   for o in {k for r in measured for k in r.distances} if o != m)
+                   for o in {k for r in measured for k in r.distances} - wrong if o != m)
 
     kept = [m for m in checks if not (measured and beaten(m))]
     order = {m.id: i for i, m in enumerate(catalogue(rows[0].module).mistakes)} if rows else {}

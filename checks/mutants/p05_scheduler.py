@@ -81,6 +81,12 @@ MISTAKES = [
                 "        request.num_computed_tokens = 0\n        request.num_scheduled_tokens = 0\n"),
     ),
     Mistake(
+        'cost-counts-prompt-only',
+        "a request's prefill cost counts its prompt only, not the completion tokens a preempted request must recompute",
+        'A waiting request costs every token it has minus those computed (len(request) - num_computed_tokens): after a preemption its completion tokens must be computed again too.',
+        replace('            cost = len(request) - request.num_computed_tokens  # cached tokens cost nothing\n', '            cost = request.num_prompt_tokens - request.num_computed_tokens  # cached tokens cost nothing\n'),
+    ),
+    Mistake(
         "cached-tokens-cost",
         "the cached prefix is counted (and computed again): a new request starts with 0 computed tokens",
         "After `allocate`, a request's computed tokens are its `num_cached_tokens`; its cost, and its "
@@ -156,6 +162,12 @@ MISTAKES = [
                 "while self.waiting and budget > 0:"),
     ),
     Mistake(
+        'decode-seq-cap-off-by-one',
+        'a decode step takes max_num_seqs + 1 requests',
+        'Stop adding requests to a decode step once it holds max_num_seqs (`<`, not `<=`).',
+        replace('        while self.running and len(scheduled) < self.max_num_seqs:\n', '        while self.running and len(scheduled) <= self.max_num_seqs:\n'),
+    ),
+    Mistake(
         "decode-capped-by-budget",
         "a decode step stops at max_num_batched_tokens requests",
         "The token budget bounds a prefill step only; a decode step takes running requests up to "
@@ -164,6 +176,12 @@ MISTAKES = [
                       "while self.running and len(scheduled) < self.max_num_seqs and budget > 0:"),
               replace("                request.num_scheduled_tokens = 1\n",
                       "                request.num_scheduled_tokens = 1\n                budget -= 1\n")),
+    ),
+    Mistake(
+        'prefilled-joins-left',
+        'a request whose prompt is complete joins running on the left, ahead of the older ones',
+        'running is in start order: a request that finishes its prompt joins it on the right (append), so the newest is the last, the one a decode preempts first.',
+        replace('            self.running.append(request)\n', '            self.running.appendleft(request)\n'),
     ),
     Mistake(
         "decode-order-reversed",

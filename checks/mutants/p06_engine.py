@@ -23,6 +23,12 @@ MISTAKES = [
         ),
     ),
     Mistake(
+        'greedy-by-first-row',
+        'the whole batch taken greedily when its first row has temperature 0',
+        'Take the all-argmax shortcut only when EVERY row is greedy: a row with temperature > 0 samples at its own temperature, whatever the rows before it ask.',
+        replace('        if all(float(p.temperature) <= 0 for p in params):  # decided on the host: no wait for the GPU\n', '        if float(params[0].temperature) <= 0:  # decided on the host: no wait for the GPU\n'),
+    ),
+    Mistake(
         "top-k-drops-ties",
         "top-k keeps exactly k tokens, dropping those tied with the k-th largest logit",
         "Keep every token whose logit is at least the k-th largest: with a tie at that value, more than k stay "
@@ -31,6 +37,21 @@ MISTAKES = [
                 "        order = scaled.argsort(dim=-1, descending=True, stable=True)\n"
                 "        place = torch.empty_like(order).scatter_(1, order, torch.arange(V).expand(B, V).contiguous())\n"
                 '        scaled = scaled.masked_fill(place >= k[:, None], float("-inf"))'),
+    ),
+    Mistake(
+        "top-k-drops-the-kth",
+        "top-k drops the tokens equal to the k-th largest logit, keeping fewer than k",
+        "Drop only the tokens BELOW the k-th largest logit (`<`, not `<=`): the k-th token and every token tied with "
+        "it stay. With `<=` even a row that asks for no top-k (k = V, the k-th value is the smallest) loses the "
+        "tokens tied at its smallest logit.",
+        replace('        scaled = scaled.masked_fill(scaled < kth, float("-inf"))',
+                '        scaled = scaled.masked_fill(scaled <= kth, float("-inf"))'),
+    ),
+    Mistake(
+        "top-k-keeps-one-more",
+        "top-k reads its threshold at sorted position k instead of k - 1, keeping k + 1 tokens",
+        "The k-th largest logit sits at index k - 1 of the descending sort: read it there, or one token too many stays.",
+        replace("gather(1, (k - 1)[:, None])", "gather(1, k[:, None].clamp(max=V - 1))"),
     ),
     Mistake(
         "top-p-drops-the-crossing-token",
@@ -44,6 +65,13 @@ MISTAKES = [
         "Drop a token once the mass before it reaches p (>=, not >): when the more likely tokens sum to exactly p, "
         "the kept mass is p already.",
         replace("(before >= top_p.float()[:, None])", "(before > top_p.float()[:, None])"),
+    ),
+    Mistake(
+        "top-p-not-renormalised",
+        "the probabilities top-k and top-p keep are not divided by their sum again",
+        "After masking, divide the kept probabilities by their sum: `probabilities` returns a distribution (rows sum "
+        "to 1), and the kept tokens' shares are what a sampler and the checks read.",
+        replace("        probs = probs / probs.sum(dim=-1, keepdim=True)\n", ""),
     ),
     Mistake(
         "top-p-before-top-k",
@@ -69,6 +97,12 @@ MISTAKES = [
         replace("rows = [b for b, done in enumerate(complete) if done]", "rows = list(range(len(requests)))"),
     ),
     Mistake(
+        'seed-reseeds-shared-generator',
+        "a seeded request reseeds the engine's shared generator instead of getting one of its own",
+        "Give each seeded request its own torch.Generator, seeded once: reseeding the shared one restarts it at every step and drags every unseeded request's draws along.",
+        replace('                self._generators[request.request_id] = torch.Generator(self.generator.device).manual_seed(p.seed)\n', '                self._generators[request.request_id] = self.generator.manual_seed(p.seed)\n'),
+    ),
+    Mistake(
         "seeded-generator-restarted",
         "a seeded request's generator started again from its seed at every step",
         "Seed a request's generator once, when generate queues it, and keep drawing from it: started again each step, "
@@ -87,6 +121,12 @@ MISTAKES = [
         replace('self.stats["tokens_out"] += len(rows)', 'self.stats["tokens_out"] += len(requests)'),
     ),
     Mistake(
+        'decode-steps-counts-requests',
+        "stats['decode_steps'] grows by the batch size instead of by one per decode step",
+        'A step is one step, whatever its batch: add 1 to decode_steps per decode step (tokens_out counts the tokens).',
+        replace('            self.stats["decode_steps"] += 1\n', '            self.stats["decode_steps"] += len(requests)\n'),
+    ),
+    Mistake(
         "cached-tokens-every-chunk",
         "stats['cached_tokens'] adds a request's cached prefix again at every chunk of its prompt",
         "Count the prefix cache's tokens once per request, in its first prefill step (num_computed_tokens == "
@@ -102,6 +142,14 @@ MISTAKES = [
         "chunk computes and stores only its own tokens.",
         replace("r.block_table, num_cached_tokens=r.num_computed_tokens) for r in requests]",
                 "r.block_table, num_cached_tokens=r.num_cached_tokens) for r in requests]"),
+    ),
+    Mistake(
+        "graph-padding-stored",
+        "the decode graph's padding rows given slot 0, so they store keys and values into block 0",
+        "Fill the graph's slot buffer with -1 before copying the batch's slots in: a padding row with slot -1 "
+        "stores nothing, with slot 0 it overwrites the first token of whichever request holds block 0.",
+        replace('buffers["slot_mapping"].fill_(-1)[:B]', 'buffers["slot_mapping"].fill_(0)[:B]'),
+        needs="cuda",
     ),
     Mistake(
         "rope-positions-from-zero",

@@ -25,10 +25,29 @@ MISTAKES = [
         replace("num_heads=H // world_size, num_kv_heads=KVH // world_size", "num_heads=H, num_kv_heads=KVH"),
     ),
     Mistake(
+        "kv-heads-not-divided",
+        "the shard divides the query heads by the world size but keeps the model's kv heads",
+        "num_kv_heads is the rank's share too, KVH / tp: the rank's qkv_proj holds KVH / tp kv heads, and the "
+        "attention splits its rows by that count.",
+        replace("num_heads=H // world_size, num_kv_heads=KVH // world_size", "num_heads=H // world_size, num_kv_heads=KVH"),
+    ),
+    Mistake(
         "kvh-not-checked",
         "only the query heads are checked to divide by the world size",
         "Check KVH % tp too: with 2 kv heads on 4 ranks a rank would get half a head (its k rows cut through one), which no attention can use.",
         replace("if H % world_size or KVH % world_size:", "if H % world_size:"),
+    ),
+    Mistake(
+        'gate-up-swapped',
+        "the rank's fused gate/up output split as (up, gate)",
+        "The shard stacks the rank's gate rows first, then its up rows: the first half is gate, which SiLU takes; the second is up.",
+        replace('    gate, up = gate_up.chunk(2, dim=-1)  # [T, Ir] each\n', '    up, gate = gate_up.chunk(2, dim=-1)  # [T, Ir] each\n'),
+    ),
+    Mistake(
+        'row-shard-start-not-scaled',
+        "row_shard starts rank r's columns at r instead of r * n / tp",
+        "Rank r's block of columns starts at r * (n / tp): the columns r .. r + n/tp - 1 overlap the next rank's and miss its own.",
+        replace('    return weight[:, rank * size : (rank + 1) * size].contiguous().clone()\n', '    return weight[:, rank : rank + size].contiguous().clone()\n'),
     ),
     Mistake(
         "o-proj-by-rows",
@@ -64,10 +83,23 @@ MISTAKES = [
         ),
     ),
     Mistake(
+        'norm-before-reduce',
+        "the attention's partial sums added to the residual and normed before the all_reduce",
+        "all_reduce o_proj's output first, then add the residual and norm: a norm of one rank's partial sum is not the norm of the whole, and the residual is summed tp times.",
+        replace('    dist.all_reduce(attended)\n    normed, hidden = add_rms_norm(attended, hidden, w.post_attention_layernorm, w.eps)\n', '    normed, hidden = add_rms_norm(attended, hidden, w.post_attention_layernorm, w.eps)\n    dist.all_reduce(hidden)\n'),
+    ),
+    Mistake(
         "embedding-not-masked",
         "ids outside the rank's vocabulary block not zeroed before the all_reduce",
         "An id another rank holds looks up row 0 here; zero those rows, or every rank adds its row 0 into the sum.",
         replace("    out = embed_shard[local] * mine[:, None].to(embed_shard.dtype)  # [T, hidden]\n", "    out = embed_shard[local]  # [T, hidden]\n"),
+    ),
+    Mistake(
+        "embedding-block-at-zero",
+        "every rank's vocabulary block taken to start at id 0",
+        "Rank r's block starts at id r * Vr: subtract that from the ids (and mask the ids outside it), or every rank "
+        "but rank 0 looks up the wrong rows.",
+        replace("    start = dist.get_rank() * rows\n", "    start = 0\n"),
     ),
     Mistake(
         "gather-out-of-order",
