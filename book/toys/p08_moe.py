@@ -168,11 +168,11 @@ def scenarios(toy: dict) -> list[Scenario]:
 # ---- probes: what 4 tokens in float32 never exercise --------------------------------------------------------
 
 
-PROBE_CASE = T("cases like the checks' (40 random tokens of hidden 64 routed over 8 experts of width 32, top-2, "
-               "so that most experts get more than one 16-row block; the router in bfloat16)",
-               "和检查里一样的用例（40 个随机 token，hidden 64，路由到 8 个宽度为 32 的专家，top-2，"
-               "大多数专家都不止一个 16 行的块；路由在 bfloat16 下计算）")
-PROBE_TOKENS, PROBE_HIDDEN, PROBE_EXPERTS, PROBE_WIDTH = 40, 64, 8, 32
+PROBE_CASE = T("cases like the checks' (40 random tokens of hidden 64 routed over 4 experts of width 32, top-2: in "
+               "bfloat16 for the router, in float32 through the block, where most experts fill a 16-row block)",
+               "和检查里一样的用例（40 个随机 token，hidden 64，路由到 4 个宽度为 32 的专家，top-2：路由用 bfloat16，"
+               "整个块用 float32，大多数专家都能填满一个 16 行的块）")
+PROBE_TOKENS, PROBE_HIDDEN, PROBE_EXPERTS, PROBE_WIDTH = 40, 64, 4, 32
 
 
 def probe_weights(module, dtype=F32, device=None):
@@ -188,8 +188,8 @@ def probe_weights(module, dtype=F32, device=None):
 def _probe_route(module) -> list[Field]:
     x, w = probe_weights(module, torch.bfloat16)
     weights, ids = module.route(x, w.router, w.top_k, True)
-    return [Field("weights", T("weights (bf16)", "weights（bf16）"), weights.float()),
-            Field("expert_ids", T("expert_ids", "expert_ids"), ids.float())]
+    return [Field("expert_ids", T("expert_ids", "expert_ids"), ids.float()),
+            Field("weights", T("weights (bf16, shown in float32)", "weights（bf16，以 float32 显示）"), weights.float())]
 
 
 def _probe_block(module) -> list[Field]:
@@ -201,12 +201,12 @@ def _probe_block(module) -> list[Field]:
 
 
 def probes() -> list[Scenario]:
-    found = [Scenario("probe-router-bf16", T("route on 40 bfloat16 tokens over 8 experts, top-2, renormalised",
-                                             "在 40 个 bfloat16 token、8 个专家上调用 route，top-2，重新归一化"),
+    found = [Scenario("probe-router-bf16", T("route on 40 bfloat16 tokens over 4 experts, top-2, renormalised",
+                                             "在 40 个 bfloat16 token、4 个专家上调用 route，top-2，重新归一化"),
                       _probe_route)]
     if _kernels.device() is not None:
-        found.append(Scenario("probe-blocks", T("moe_block on 40 tokens over 8 experts, block_size 16",
-                                                "在 40 个 token、8 个专家上调用 moe_block，block_size 16"),
+        found.append(Scenario("probe-blocks", T("moe_block on 40 tokens over 4 experts, block_size 16",
+                                                "在 40 个 token、4 个专家上调用 moe_block，block_size 16"),
                               _probe_block))
     return found
 
