@@ -89,10 +89,12 @@ class Mistake:
     title: str  # what the learner did, in a few words
     hint: str  # one sentence on how to find it in their code
     patch: Patch
-    needs: str = ""  # "cuda": only a run on a GPU can reject it (a CUDA graph's padding); elsewhere it is left out
+    # where a run can reject it: "cuda" on a GPU only (a CUDA graph's padding), "no-cuda" where there is none (a
+    # check of two ranks on gloo, which a GPU machine of one GPU skips); elsewhere it is left out
+    needs: str = ""
 
     def runs_here(self) -> bool:
-        return self.needs != "cuda" or torch.cuda.is_available()
+        return {"cuda": torch.cuda.is_available(), "no-cuda": not torch.cuda.is_available()}.get(self.needs, True)
 
 
 @dataclass(frozen=True)

@@ -190,12 +190,14 @@ MISTAKES = [
         "on a rank of a tensor-parallel engine, o_proj's output used without its all_reduce",
         "A rank's o_proj reads only its heads: its output is a partial sum, which dist.all_reduce completes before the residual add (p07's row-parallel rule).",
         replace("    if reduce:\n        dist.all_reduce(projected)\n", ""),
+        needs="no-cuda",
     ),
     Mistake(
         "tp-no-reduce-after-down",
         "on a rank of a tensor-parallel engine, down_proj's output used without its all_reduce",
         "down_proj reads the rank's share of the MLP's features: all_reduce its output before the second residual add.",
         replace("    if reduce:\n        dist.all_reduce(mlp_out)\n", ""),
+        needs="no-cuda",
     ),
     Mistake(
         "tp-logits-of-rank-zero-only",
@@ -203,6 +205,7 @@ MISTAKES = [
         "A rank holds V / tp rows of the tied embedding: the logits need parallel_lm_head, which gathers every rank's slice to rank 0.",
         replace("        logits = parallel_lm_head(normed, model.embed_tokens)  # [B, V] on rank 0, None elsewhere\n",
                 "        logits = normed @ model.embed_tokens.T if dist.get_rank() == 0 else None  # [B, V/tp]\n"),
+        needs="no-cuda",
     ),
 ]
 
