@@ -205,48 +205,61 @@ def test_route_matches_hf(impl, gen, layout, dtype, norm):
                  f"route's weights (norm_topk_prob {norm}, {str(dtype).removeprefix('torch.')})")
 
 
-# Expert 0's and expert 1's logits 2^-12 apart (exact in bf16, as are the router's weights): their float32
-# probabilities differ, but by far less than a bf16 ulp, so a softmax rounded to bf16 ties them.
-NEAR_TIE_LOGITS = [0.5, 0.5 + 2**-12, -3.0, -2.0]
+# Two experts' logits 2^-12 apart (exact in bf16, as are the router's weights), the larger first in one token and
+# second in the other: their float32 probabilities differ, but by far less than a bf16 ulp, so a softmax rounded to
+# bf16 ties them, and whichever way torch.topk breaks that tie, one of the two tokens gets the wrong expert.
+NEAR_TIES = [[2**-12, 0.0, -3.0, -2.0], [0.0, 2**-12, -3.0, -2.0]]
 
 
-def test_route_softmax_in_float32(impl):
+def exact_router(E: int, hidden: int, gen) -> torch.Tensor:
+    """A router whose first E input features are the identity: a token's logits are its first E values, exactly."""
+    return torch.cat([torch.eye(E), torch.randn(E, hidden - E, generator=gen) * hidden**-0.5], dim=1)
+
+
+def tokens_with_logits(logits: list[list[float]], hidden: int, dtype: torch.dtype) -> torch.Tensor:
+    x = torch.zeros(len(logits), hidden, dtype=dtype)
+    x[:, : len(logits[0])] = torch.tensor(logits, dtype=dtype)
+    return x
+
+
+def test_route_softmax_in_float32(impl, gen):
     """for bf16 tokens the softmax runs in float32: two experts whose probabilities differ by less than a bf16
     ulp are still told apart (the more probable one is chosen)"""
-    E, hidden = len(NEAR_TIE_LOGITS), 8
-    router = torch.zeros(E, hidden, dtype=torch.bfloat16)
-    router[:, 0] = torch.tensor(NEAR_TIE_LOGITS)
-    x = torch.zeros(3, hidden, dtype=torch.bfloat16)
-    x[:, 0] = 1  # every token's logits are NEAR_TIE_LOGITS, exactly
+    E, hidden = len(NEAR_TIES[0]), 8
+    router = exact_router(E, hidden, gen).to(torch.bfloat16)
+    x = tokens_with_logits(NEAR_TIES, hidden, torch.bfloat16)
     for norm in (True, False):
-        expected_weights, expected_ids = hf_route(MoEBlockWeights(router, torch.zeros(E, 2, hidden),
-                                                                  torch.zeros(E, hidden, 1), 1, norm), x)
+        w = MoEBlockWeights(router, torch.zeros(E, 2, hidden), torch.zeros(E, hidden, 1), 1, norm)
+        expected_weights, expected_ids = hf_route(w, x)
         weights, expert_ids = impl.route(x, router, 1, norm)
         if expert_ids[:, 0].tolist() != expected_ids[:, 0].tolist():
-            raise Mismatch(f"route chose experts {expert_ids[:, 0].tolist()}, HF chose {expected_ids[:, 0].tolist()}: "
-                           f"logits {NEAR_TIE_LOGITS} give float32 probabilities that differ by less than a bf16 "
-                           f"ulp (softmax in float32, whatever the input's dtype)")
+            raise Mismatch(f"route chose experts {expert_ids[:, 0].tolist()}, HF chose {expected_ids[:, 0].tolist()} "
+                           f"for logits {NEAR_TIES}: their float32 probabilities differ by less than a bf16 ulp "
+                           f"(softmax in float32, whatever the input's dtype)")
         expect_close(weights, expected_weights, tolerance("moe", torch.bfloat16), f"route's weights (norm {norm})")
 
 
+# Each row a token's logits over 4 experts (top-2): a zero token ties all four; two equal logits at the top; two
+# tied for the second place; and one expert far ahead (logit 200), so that every other probability underflows to
+# 0 in float32 and the three tie there, whatever their logits (the k are chosen on the probabilities).
+TIES = [[0.0, 0.0, 0.0, 0.0], [1.0, 2.0, 2.0, 0.0], [3.0, 1.0, 0.0, 1.0], [200.0, 5.0, 0.0, 3.0],
+        [200.0, 0.0, 3.0, 5.0]]
+
+
 def test_route_ties_as_torch_topk(impl, gen):
-    """exact ties among a token's experts are broken as torch.topk breaks them (a zero token ties every expert;
-    two equal logits tie at the k-th place)"""
-    E, hidden, k = 6, 16, 2
-    w = MoEBlockWeights.random(gen, E, hidden, 8, k, True)
-    router = w.router.clone()
-    router[4] = router[1]  # experts 1 and 4 always tie
-    x = torch.randn(5, hidden, generator=gen)
-    x[0] = 0  # every logit 0: every probability exactly 1/E
-    x[1] = router[1] / router[1].norm() * 3  # experts 1 and 4 most probable, together
-    x[2] = router[1] / router[1].norm() * 3 + router[2] / router[2].norm() * 6  # 2 first, then 1 and 4 tie for 2nd
-    tied = MoEBlockWeights(router, w.gate_up_proj, w.down_proj, k, True)
-    expected_weights, expected_ids = hf_route(tied, x)
+    """exact ties among a token's probabilities (equal logits, or probabilities that underflow to 0 in float32) are
+    broken as torch.topk breaks them on the float32 probabilities"""
+    E, hidden, k = len(TIES[0]), 12, 2
+    router = exact_router(E, hidden, gen)
+    x = torch.cat([tokens_with_logits(TIES, hidden, torch.float32), torch.randn(2, hidden, generator=gen)])
+    w = MoEBlockWeights(router, torch.zeros(E, 2, hidden), torch.zeros(E, hidden, 1), k, True)
+    expected_weights, expected_ids = hf_route(w, x)
     weights, expert_ids = impl.route(x, router, k, True)
     for t in range(x.shape[0]):
         if expert_ids[t].tolist() != expected_ids[t].tolist():
-            raise Mismatch(f"token {t}: experts {expert_ids[t].tolist()}, torch.topk's order gives "
-                           f"{expected_ids[t].tolist()} (ties broken as torch.topk breaks them)")
+            logits = f"logits {TIES[t]}" if t < len(TIES) else "random logits"
+            raise Mismatch(f"token {t} ({logits}): experts {expert_ids[t].tolist()}, torch.topk on the float32 "
+                           f"probabilities gives {expected_ids[t].tolist()} (ties broken as torch.topk breaks them)")
     expect_close(weights, expected_weights, tolerance("moe", torch.float32), "route's weights with ties")
 
 
@@ -457,7 +470,8 @@ def test_shard_experts(impl, gen, world):
         for name in RankShard.__dataclass_fields__:
             mine, expected = field(got, name), getattr(want, name)
             if isinstance(expected, torch.Tensor):
-                if not isinstance(mine, torch.Tensor) or mine.shape != expected.shape or not torch.equal(mine, expected):
+                same = isinstance(mine, torch.Tensor) and mine.shape == expected.shape and torch.equal(mine, expected)
+                if not same:
                     shape = list(mine.shape) if isinstance(mine, torch.Tensor) else type(mine).__name__
                     Er = w.num_experts // world
                     raise Mismatch(f"rank {rank} of {world}: `{name}` ({shape}) is not "

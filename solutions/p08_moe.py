@@ -82,9 +82,10 @@ def route(hidden: torch.Tensor, router_weight: torch.Tensor, top_k: int,
     """Each token's k experts and their weights, as Hugging Face's `Qwen3MoeTopKRouter` computes them.
 
     The logits `hidden @ router_weight.T` are computed in hidden's dtype; the softmax over the E experts
-    in float32 (whatever hidden's dtype); `torch.topk` keeps the k largest probabilities, largest first,
-    and breaks ties as `torch.topk` does; with `norm_topk_prob` the k are divided by their sum (in
-    float32). `hidden` `[T, hidden]` and `router_weight` `[E, hidden]` are not modified.
+    in float32 (whatever hidden's dtype); `torch.topk` on those float32 probabilities keeps the k largest,
+    largest first, and breaks ties as `torch.topk` does (equal logits tie, and so do probabilities that
+    underflow to 0); with `norm_topk_prob` the k are divided by their sum (in float32). `hidden` `[T, hidden]`
+    and `router_weight` `[E, hidden]` are not modified.
 
     Returns `(weights [T, k] in hidden's dtype, expert_ids [T, k] int64)`. Raises `ValueError` naming
     both numbers unless 1 <= top_k <= E.

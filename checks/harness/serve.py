@@ -414,7 +414,8 @@ def _carried(worker: Worker, name: str, original):
 
 
 def _sizes(sizes) -> list | None:
-    """A split-size list as plain ints (None stays None: equal parts); anything else as given, for the checks to refuse."""
+    """A split-size list as plain ints (None stays None: equal parts); anything else as text, for the checks to
+    refuse."""
     try:
         return None if sizes is None else [int(n) for n in sizes]
     except (TypeError, ValueError):

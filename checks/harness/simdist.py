@@ -2,9 +2,9 @@
 
 `run_ranks(function, per_rank_args, world_size)` runs `function` once per rank, each in a thread that
 `torch.distributed` sees as that rank: while it runs, the module's collectives (`all_reduce`, `gather`,
-`all_gather`, `broadcast`, `barrier`, `all_to_all`, `all_to_all_single`) and `get_rank` / `get_world_size` / `is_initialized` are replaced
-by versions that meet at a barrier. Sums add the ranks' tensors in rank order. Learner code never runs
-here: it runs in workers joined in a real process group (`ranks.py`).
+`all_gather`, `broadcast`, `barrier`, `all_to_all`, `all_to_all_single`) and `get_rank` / `get_world_size` /
+`is_initialized` are replaced by versions that meet at a barrier. Sums add the ranks' tensors in rank order.
+Learner code never runs here: it runs in workers joined in a real process group (`ranks.py`).
 """
 
 import threading

@@ -1,6 +1,8 @@
 """Known mistakes in P08 (mixture of experts), each a patch of `solutions/p08_moe.py`.
 
-Ids match the Pitfalls section of `exercises/p08_moe.md`.
+Ids match the Pitfalls section of `exercises/p08_moe.md`. softmax-after-topk weighs the k exactly as
+renormalised-when-off does (a softmax over the k sums to 1): only the tie check tells them apart, so the
+renormalisation mistakes come first, and the report names renormalised-when-off where both fit.
 """
 
 from checks.harness.mistakes import Broken, Mistake, Variant, everyday_breakage, replace
@@ -12,15 +14,6 @@ SCALED = "    scaled = rows[real].float() * weights.reshape(-1)[pairs].float()[:
 EP_START = "    R = dist.get_world_size()\n    Er = shard.gate_up_proj.shape[0]\n"
 
 MISTAKES = [
-    Mistake(
-        "softmax-after-topk",
-        "the top k chosen on the logits, and the softmax taken over those k only",
-        "Softmax over all E experts first, then keep the k largest. Over the k alone the weights always sum to 1: "
-        "the same as renormalising, so it only shows when norm_topk_prob is False (Qwen3-MoE's config has it True).",
-        replace(SOFTMAX_AND_TOPK,
-                "    top_logits, expert_ids = torch.topk(logits, top_k, dim=-1)  # [T, k] each\n"
-                "    weights = torch.softmax(top_logits, dim=-1, dtype=torch.float32)\n"),
-    ),
     Mistake(
         "renormalised-when-off",
         "the k weights renormalised to sum to 1 even when norm_topk_prob is False",
@@ -34,6 +27,15 @@ MISTAKES = [
         "With norm_topk_prob (Qwen3-MoE's setting) divide the k kept probabilities by their sum, in float32, "
         "before casting them back to the input's dtype.",
         replace(RENORMALISE, "    if False:\n"),
+    ),
+    Mistake(
+        "softmax-after-topk",
+        "the top k chosen on the logits, and the softmax taken over those k only",
+        "Softmax over all E experts first, then keep the k largest. Over the k alone the weights always sum to 1: "
+        "the same as renormalising, so it only shows when norm_topk_prob is False (Qwen3-MoE's config has it True).",
+        replace(SOFTMAX_AND_TOPK,
+                "    top_logits, expert_ids = torch.topk(logits, top_k, dim=-1)  # [T, k] each\n"
+                "    weights = torch.softmax(top_logits, dim=-1, dtype=torch.float32)\n"),
     ),
     Mistake(
         "router-in-input-dtype",
