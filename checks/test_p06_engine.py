@@ -64,11 +64,13 @@ CONTRACTS = {
 TOY = load_toy("p06_engine")
 # Checks whose failures are not replayed on the catalogue to name a mistake: each replay reruns a whole
 # engine per mutant, and every mistake these catch is also caught, and named, by a cheaper check.
-UNNAMED = {"test_preemption_keeps_the_tokens", "test_stops_at_eos_unless_ignored",
+UNNAMED = {"test_stops_at_eos_unless_ignored",
            "test_first_token_follows_the_distribution", "test_engine_loads_a_local_checkpoint_folder"}
 # Checks that name only some mistakes: the engine on two ranks is replayed for the mistakes of its
 # tensor-parallel branch alone (every other one is named by a check on one rank).
-NAMED_BY = {"test_two_ranks_give_the_tokens_of_one": lambda mistake_id: mistake_id.startswith("tp-")}
+NAMED_BY = {"test_two_ranks_give_the_tokens_of_one": lambda mistake_id: mistake_id.startswith("tp-"),
+            # ... and the preemption run for the mistakes of its counter alone (a whole engine run per mutant)
+            "test_preemption_keeps_the_tokens": lambda mistake_id: mistake_id.startswith("preemptions-")}
 # (V, hidden, I, L, H, KVH, D): head dims the kernels take (powers of two >= 16), H != KVH
 LAYOUTS = {  # the cheaper first: a mistake both reject is named there, and a run --until-named stops there
     "L2-H2-KVH1-D16": (64, 32, 48, 2, 2, 1, 16),
@@ -205,7 +207,12 @@ def counted(n: int, unit: str) -> str:
 
 
 def expect_count(run: Run, name: str, check, wanted: str) -> None:
+    """`run.stats[name]` passes `check`; `check` None: preemptions, as many as p05's contract makes on the run."""
     value = run.stats.get(name)
+    if check is None:
+        n = contract_preemptions(run)
+        check, wanted = (lambda v: v == n), f"{counted(n, 'preemption')} ({wanted}; a request counts once each " \
+                                             "time a step sends it back to waiting, not at every step it waits)"
     if type(value) is not int or not check(value):
         raise Mismatch(f"LLM.stats[{name!r}] is {value!r}, expected {wanted}")
 
@@ -457,8 +464,28 @@ def test_preemption_keeps_the_tokens(request, impl, seed):
     # One layer and one head: preemption is the scheduler's and the cache's doing, not the layers' (the
     # engine recomputes a preempted request through every layer all the same).
     greedy_against_hf(request, impl, seed, ONE_HEAD, (5, 6, 7), Params(max_tokens=7), Config(num_blocks=6),
-                      "with preemption", ("preemptions", lambda n: n >= 1, "at least 1 preemption: three requests "
-                                          "needing 3 to 4 blocks each share 6 blocks"))
+                      "with preemption", ("preemptions", None, "three requests needing 3 to 4 blocks each share "
+                                          "6 blocks"))
+
+
+def contract_preemptions(run: Run) -> int:
+    """How many times p05's contract preempts a request on this run: its model of the scheduler (the one p05's
+    checks hold a learner's scheduler to) fed the prompts and the very tokens the engine gave."""
+    from checks.test_p05_scheduler import Model
+
+    c, params = run.config, run.params
+    model = Model(c.num_blocks, c.block_size, c.max_num_seqs, c.max_num_batched_tokens, c.eos_token_id)
+    preempted, preempt = [], model.preempt
+    model.preempt = lambda r: (preempted.append(r), preempt(r))
+    requests = [model.add(i, list(prompt), p.max_tokens, p.ignore_eos) for i, (prompt, p) in
+                enumerate(zip(run.prompts, params))]
+    for _ in range(10_000):  # every step computes at least one token: far more steps than the run can take
+        if model.finished():
+            break
+        batch, _ = model.schedule()
+        model.postprocess(batch, [run.outputs[requests.index(r)][len(r.tokens) - r.prompt_len]
+                                  if r.computed + r.scheduled == len(r.tokens) else -1 for r in batch])
+    return len(preempted)
 
 
 CHUNK_BUDGET = 5  # the token budget that chunks the prompts of 13, 7 and 4 tokens

@@ -127,6 +127,14 @@ MISTAKES = [
         replace('            self.stats["decode_steps"] += 1\n', '            self.stats["decode_steps"] += len(requests)\n'),
     ),
     Mistake(
+        "preemptions-counted-while-waiting",
+        "stats['preemptions'] counts a preempted request again at every step it still waits",
+        "Count a request when a step's schedule sends it from running back to waiting (it was running before the "
+        "step), once: a preempted request that waits several steps is still one preemption.",
+        replace("sum(id(r) in running_before for r in self.scheduler.waiting)",
+                "sum(len(r) > r.num_prompt_tokens for r in self.scheduler.waiting)"),
+    ),
+    Mistake(
         "cached-tokens-every-chunk",
         "stats['cached_tokens'] adds a request's cached prefix again at every chunk of its prompt",
         "Count the prefix cache's tokens once per request, in its first prefill step (num_computed_tokens == "
