@@ -13,6 +13,9 @@ faster.
   expanded to 16 heads. The error column is the largest difference from torch's output.
 - p04: `paged_decode`, bf16, 64 x 4k, 16 x 16k and 256 x 1k keys in shuffled blocks of 256; torch: dense
   SDPA decode on contiguous K/V (`enable_gqa`).
+- p08: `moe_block` and `fused_moe` on Qwen3-30B-A3B's MoE layer, bf16, decode batches 1-256 and an 8k prefill,
+  beside a loop over the experts and the floor (the experts' bytes over a measured copy's bandwidth, or the
+  FLOPs over a measured matmul rate): checks/benchmarks/moe.py, which also runs alone.
 - p06: `LLM.generate` of 64 prompts x 128 random tokens, 128 new tokens each (greedy, no stop token), with
   `EngineConfig()`, on Qwen3-0.6B's shapes with random bf16 weights (checks/benchmarks/engine.py); torch:
   HF's `Qwen3ForCausalLM.generate` (SDPA attention, bf16) on the same weights and prompts.
@@ -29,10 +32,11 @@ import subprocess
 import sys
 from pathlib import Path
 
-BENCHES = {"p03": "p03_flash_attention", "p04": "p04_paged_decode", "p06": "p06_engine"}
-WHAT = {"p03": "flash_attn_varlen", "p04": "paged_decode", "p06": "LLM.generate"}
-TORCH = {"p03": "torch SDPA (flash)", "p04": "torch SDPA decode", "p06": "HF generate (SDPA)"}
-LIMITS = {"p03": 300, "p04": 300, "p06": 600}  # seconds one timing process may take
+BENCHES = {"p03": "p03_flash_attention", "p04": "p04_paged_decode", "p06": "p06_engine", "p08": "p08_moe"}
+WHAT = {"p03": "flash_attn_varlen", "p04": "paged_decode", "p06": "LLM.generate", "p08": "moe_block / fused_moe"}
+TORCH = {"p03": "torch SDPA (flash)", "p04": "torch SDPA decode", "p06": "HF generate (SDPA)",
+         "p08": "a loop over the experts"}
+LIMITS = {"p03": 300, "p04": 300, "p06": 600, "p08": 300}  # seconds one timing process may take
 MARK = "kvlab-bench-json: "  # the line of a timing process's output that holds its results
 DEVICE = "cuda"
 P06_PROMPTS, P06_LEN, P06_NEW, P06_SHOWN = 64, 128, 128, 16  # P06_SHOWN: first tokens compared
@@ -75,8 +79,10 @@ def bench(targets: list[str], label: str) -> int:
         theirs = mine if impl.folder.resolve() == reference else measure(module_id, reference, "solutions")
         baseline = measure(module_id, None, "torch")
         shown = f"{impl.shown_folder()}/{BENCHES[module_id]}.py"
-        (print_engine if module_id == "p06" else print_kernel)(module_id, shown, mine, theirs, baseline)
-        timed_all = isinstance(mine, dict) and all(row.get("ms") is not None for row in mine["rows"])
+        printer = {"p06": print_engine, "p08": print_moe}.get(module_id, print_kernel)
+        printer(module_id, shown, mine, theirs, baseline)
+        timed_all = isinstance(mine, dict) and all(row.get("ms", row.get("block_ms")) is not None
+                                                   for row in mine["rows"])
         status |= 0 if timed_all else 1  # yours could not be timed (not written yet, or it failed)
     return status
 
@@ -168,6 +174,18 @@ def print_engine(module_id, shown, mine, theirs, baseline) -> None:
               f"{ratio(ms, a.get('ms')) if name != 'yours' else '':>11} | {same if name != 'yours' else '':>28}")
     print("(greedy bf16 runs part at near-ties, so a few prompts may differ from HF's without a bug; "
           "./check.sh p06 checks the tokens)")
+
+
+def print_moe(module_id, shown, mine, theirs, baseline) -> None:
+    from checks.benchmarks.moe import report
+
+    rows_mine, rows_ref, rows_torch = reasons(mine, theirs, baseline)
+    if not rows_mine or not rows_torch:
+        return
+    device = next(r["device"] for r in (mine, baseline) if isinstance(r, dict))
+    print("\n".join(report(shown, device, rows_mine, rows_torch, rows_torch[0]["rates"])))
+    if rows_ref and theirs is not mine:
+        print("the reference's block: " + ", ".join(f"{r['point']} {cell(r['block_ms'], '.3f')} ms" for r in rows_ref))
 
 
 # ---- the timing process: python -m checks.benchmarks.bench --time MODULE (--folder DIR | --torch) ---
@@ -272,11 +290,24 @@ def time_p06(module) -> list[dict]:
              "tokens": [list(t[:P06_SHOWN]) for t in tokens]}]
 
 
+def time_p08(module) -> list[dict]:
+    import torch
+    from triton.testing import do_bench
+
+    from checks.benchmarks.moe import time_baseline, time_module
+
+    device = torch.device(DEVICE)
+    if module is None:
+        rows, rates = time_baseline(do_bench, device)
+        return [{**row, "rates": rates} for row in rows]
+    return time_module(module, do_bench, device)
+
+
 def finite(ms: float) -> float | None:
     return None if ms is None or math.isnan(ms) else ms
 
 
-TIMERS = {"p03": time_p03, "p04": time_p04, "p06": time_p06}
+TIMERS = {"p03": time_p03, "p04": time_p04, "p06": time_p06, "p08": time_p08}
 
 
 def main() -> int:
