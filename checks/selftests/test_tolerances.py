@@ -178,3 +178,18 @@ def test_sampler_oracle_within_half_the_tolerance(seed):
         probs = scaled.masked_fill(truth[b] == 0, float("-inf")).softmax(0)  # float32 on the true kept set
         rows.append(probs / probs.sum())
     assert close_enough(torch.stack(rows), truth, half(tolerance("sampler", torch.float32)))
+
+
+@pytest.mark.parametrize("seed", range(3))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("layout", ["E4-k2-h40-I24", "E8-k2-h48-I16", "E8-k3-h32-I20"])
+def test_moe_oracle_within_half_the_tolerance(seed, dtype, layout):
+    """HF's Qwen3MoeSparseMoeBlock run in the dtype itself, against the same block in float64 (p08's cases: tokens
+    whose experts are well apart, both settings of norm_topk_prob)."""
+    from checks.harness.oracles import hf_moe
+    from checks.test_p08_moe import moe_weights, tokens
+
+    gen = torch.Generator().manual_seed(seed)
+    w = moe_weights(gen, layout, dtype, norm_topk_prob=seed % 2 == 0)
+    x = tokens(gen, w, 9, dtype)
+    assert close_enough(hf_moe(w, x, dtype), hf_moe(w.to(torch.float64), x), half(tolerance("moe", dtype)))
