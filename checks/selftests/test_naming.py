@@ -54,3 +54,12 @@ def test_a_failure_in_another_modules_file_says_which_call_of_this_one_led_there
     assert "`Scheduler.schedule` raised IndexError: list index out of range" in out
     assert "p01_block_manager.py line" in out and "called from `schedule` at p05_scheduler.py line" in out
     assert "in the p01 BlockManager your scheduler calls" in out  # the reason is cut at 300 characters after it
+
+
+def test_a_mistake_whose_mutant_breaks_what_the_learner_got_right_is_not_named(tmp_path):
+    """tokens_out counted over every row of a step: the failing check's outputs are what chunk-draws gives too, but
+    chunk-draws would also fail the seeded check this code passes, so only tokens-out-counts-chunks is named."""
+    out = checked(tmp_path, "p06_engine", '        self.stats["tokens_out"] += len(rows)\n',
+                  '        self.stats["tokens_out"] += sum(1 for _ in requests)\n', "-k", "chunks or seeded")
+    assert "looks like tokens-out-counts-chunks" in out and "tokens-out-counts-chunks — stats" in out
+    assert "chunk-draws" not in out
