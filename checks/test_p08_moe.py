@@ -489,10 +489,14 @@ def test_shard_experts(impl, gen, world):
                 raise Mismatch(f"rank {rank} of {world}: `{name}` is {mine!r}, expected {expected!r}")
 
 
+REFUSED_EXPERTS, REFUSED_WORLD_SIZE = 6, 4  # experts that do not split over the ranks
+
+
 def test_shard_experts_refuses_experts_that_do_not_divide(impl, gen):
     """shard_experts raises ValueError for 6 experts over 4 ranks"""
-    w = MoEBlockWeights.random(gen, 6, 16, 8, 2, True)
-    expect_value_error(lambda: impl.shard_experts(w, 0, 4), "shard_experts of 6 experts over 4 ranks")
+    w = MoEBlockWeights.random(gen, REFUSED_EXPERTS, 16, 8, 2, True)
+    expect_value_error(lambda: impl.shard_experts(w, 0, REFUSED_WORLD_SIZE),
+                       f"shard_experts of {REFUSED_EXPERTS} experts over {REFUSED_WORLD_SIZE} ranks")
 
 
 # tokens on each rank (one rank may have none), and the layout each world uses
