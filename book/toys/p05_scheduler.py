@@ -118,11 +118,11 @@ def scenarios(toy: dict) -> list[Scenario]:
 
 
 PROBE_CASE = T("cases like the checks': three one-token requests at once with max_num_seqs 2 (block size 2, "
-               "10 blocks, a budget of 16), one prefill step; three one-token requests decoded together under a budget "
+               "10 blocks, a budget of 16), one prefill step, and the same three requests decoded with max_num_seqs 2; three one-token requests decoded together under a budget "
                "of 2; a request preempted with 2 completion tokens and recomputed in chunks under a budget of 2; a "
                "chunk and a finished request, whose num_scheduled_tokens are read after postprocess",
                "和检查里一样的用例：同时来三个单 token 请求，max_num_seqs 为 2（块大小 2，10 个块，预算 16），"
-               "做一个 prefill 步；三个单 token 请求在预算 2 之下一起 decode；一个请求带着 2 个已生成的 token "
+               "做一个 prefill 步，再让这三个请求在 max_num_seqs 为 2 之下 decode；三个单 token 请求在预算 2 之下一起 decode；一个请求带着 2 个已生成的 token "
                "被抢占，再在预算 2 之下分块重算；一个 chunk 和一个完成的请求，在 postprocess 之后读它们的 "
                "num_scheduled_tokens")
 
@@ -163,6 +163,12 @@ def _probe_steps(module, limits: tuple, requests: list[tuple[list[int], int]], s
 def probes() -> list[Scenario]:
     return [Scenario("probe-seats", T("add A = [1], B = [2], C = [3] (max_num_seqs 2), then schedule",
                                       "add A = [1]、B = [2]、C = [3]（max_num_seqs 为 2），然后 schedule"), _seats),
+            Scenario("probe-decode-seats",
+                     T("add A = [1], B = [2], C = [3] max 2 (10 blocks of 2, max_num_seqs 2, a budget of 16), then "
+                       "3 steps: prefill A and B, prefill C, decode",
+                       "add A = [1]、B = [2]、C = [3]，max 2（10 个大小为 2 的块，max_num_seqs 2，预算 16），然后走 3 步："
+                       "prefill A 和 B，prefill C，decode"),
+                     lambda module: _probe_steps(module, (10, 2, 2, 16), [([1], 2), ([2], 2), ([3], 2)], [{}, {}, {}])),
             Scenario("probe-decode-budget",
                      T("add A = [1], B = [2], C = [3] max 2 (4 blocks of 4, max_num_seqs 4, a budget of 2), then "
                        "3 steps: prefill A and B, prefill C, decode",

@@ -23,19 +23,25 @@ STORED = 5e-5  # the toy file stores the layer's output to 4 decimals
 # What the page's Pitfalls and Toy sections say: the mistakes the toy shows; the others need a probe.
 ON_THE_TOY = {"qkv-contiguous-slice", "gate-up-contiguous-slice", "heads-not-divided", "o-proj-by-rows",
               "all-reduce-after-column", "no-reduce-after-o-proj", "no-reduce-after-down", "residual-before-reduce",
-              "embedding-not-masked", "gather-out-of-order"}
+              "embedding-not-masked", "gather-out-of-order", "kv-heads-not-divided", "embedding-block-at-zero",
+              "gate-up-swapped", "row-shard-start-not-scaled", "norm-before-reduce"}
 # A number each Pitfalls entry quotes, which the book's run of the mistake must show.
 QUOTED = {
     "qkv-contiguous-slice": "[0, 1, 2, 3, 4, 5, 6, 7]",
     "gate-up-contiguous-slice": "[4, 5, 6, 7]",
     "heads-not-divided": "[4, 2]",
+    "kv-heads-not-divided": "[2, 2]",
     "kvh-not-checked": "num_kv_heads 0",
+    "gate-up-swapped": "[2.7068, -0.6105, -0.121, -2.2661]",
+    "row-shard-start-not-scaled": "[1, 2, 3, 4]",
     "o-proj-by-rows": "[0, 1, 2, 3, 4, 5, 6, 7]",
     "all-reduce-after-column": "[-0.3411, -0.1714, 1.1762, -2.9863]",
     "no-reduce-after-o-proj": "[0.4218, 0.236, 1.4435, -1.6021]",
     "no-reduce-after-down": "[-0.454, 0.0887, 0.6878, -2.6986]",
     "residual-before-reduce": "[0.6277, -1.0955, 1.5859, -2.9305]",
+    "norm-before-reduce": "[0.4218, -0.764, 0.9435, -2.6021]",
     "embedding-not-masked": "[40, 42, 44, 46]",
+    "embedding-block-at-zero": "[30, 32, 34, 36]",
     "gather-out-of-order": "[15, 20, 25, 0, 5, 10]",
     "token-not-broadcast": "[3, 1, 1, 1]",
 }
