@@ -29,7 +29,8 @@ from dataclasses import dataclass
 import torch
 
 from . import wire
-from .guard import Call, Guarded, LearnerError, ModuleRun, NotStarted, _hung
+from .guard import Call, Guarded, LearnerError, ModuleRun, New, NotStarted, _hung
+from .values import copy_with_layout
 
 JOIN_TIMEOUT = 60.0  # seconds a real process group (NCCL) may wait for the ranks to join
 GRACE = 1.0  # seconds the other ranks get to finish after one fails, before they are ended
@@ -109,7 +110,12 @@ class Ranks:
         if self.broken is not None:
             raise LearnerError(f"not run: {self.broken}")
         self.start()
-        return getattr(self.guards[rank], class_name)(*args)
+        obj = getattr(self.guards[rank], class_name)(*args)
+        # the check's own record (a rank's guard forgets it at the next call): a mutant's replay makes its own
+        # object in its place, and the calls that pass this one get that
+        self.guarded.events.append(New(class_name, obj, tuple(copy_with_layout(a) if isinstance(a, torch.Tensor)
+                                                              else a for a in args), {}))
+        return obj
 
     def _meet(self, rank: int, name: str, part, deadline: float):
         return self.rendezvous.meet(rank, name, part, deadline)

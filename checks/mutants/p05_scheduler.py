@@ -55,6 +55,12 @@ MISTAKES = [
         replace("self.waiting.appendleft(request)", "self.waiting.append(request)"),
     ),
     Mistake(
+        'self-preempt-loses-token',
+        'a request that preempts itself leaves without the token popped for its slot',
+        'Put the token back on token_ids before a request preempts itself: it was sampled, it is part of the completion, and the recomputation must include it.',
+        replace('                request.token_ids.append(token)\n', ''),
+    ),
+    Mistake(
         "preempt-keeps-computed",
         "preemption frees the blocks but leaves num_computed_tokens as it was",
         "A preempted request's K/V is gone with its blocks: set `num_computed_tokens` to 0 in `preempt`; the "

@@ -103,6 +103,12 @@ MISTAKES = [
         replace('                self._generators[request.request_id] = torch.Generator(self.generator.device).manual_seed(p.seed)\n', '                self._generators[request.request_id] = self.generator.manual_seed(p.seed)\n'),
     ),
     Mistake(
+        'seed-zero-unseeded',
+        'a request with seed 0 is treated as unseeded (`if p.seed:`)',
+        '0 is a seed like any other: test `p.seed is not None`, or a request with seed 0 draws from the shared generator and its tokens depend on the batch.',
+        replace('            if p.seed is not None:\n', '            if p.seed:\n'),
+    ),
+    Mistake(
         "seeded-generator-restarted",
         "a seeded request's generator started again from its seed at every step",
         "Seed a request's generator once, when generate queues it, and keep drawing from it: started again each step, "
@@ -178,6 +184,12 @@ MISTAKES = [
         "Each layer has its own keys and values: layer l stores into and reads k_caches[l], v_caches[l].",
         replace("        for index, layer in enumerate(model.layers):\n            q, k, v = before(",
                 "        for layer in model.layers:\n            index = 0\n            q, k, v = before("),
+    ),
+    Mistake(
+        'paged-prefill-lengths-of-new-tokens',
+        "paged_prefill given each chunk's new-token count as its sequence's whole length",
+        "seqlens_k are the whole lengths, cached tokens included (from cu_seqlens_k): with the new tokens' counts the chunk attends to the first keys of its sequence, not to all it has.",
+        replace('        seqlens_k = (meta.cu_seqlens_k[1:] - meta.cu_seqlens_k[:-1]).to(torch.int32)  # [B] whole lengths\n', '        seqlens_k = (meta.cu_seqlens_q[1:] - meta.cu_seqlens_q[:-1]).to(torch.int32)  # [B] whole lengths\n'),
     ),
     Mistake(
         "first-row-logits",

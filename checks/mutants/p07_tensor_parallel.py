@@ -89,6 +89,12 @@ MISTAKES = [
         replace('    dist.all_reduce(attended)\n    normed, hidden = add_rms_norm(attended, hidden, w.post_attention_layernorm, w.eps)\n', '    normed, hidden = add_rms_norm(attended, hidden, w.post_attention_layernorm, w.eps)\n    dist.all_reduce(hidden)\n'),
     ),
     Mistake(
+        'embedding-not-reduced',
+        "the vocab-parallel embedding returns the rank's masked lookup without the all_reduce",
+        "Each rank knows only the ids in its block (the rest are zero rows): all_reduce the lookups so every rank holds every token's embedding.",
+        replace('    dist.all_reduce(out)\n    return out\n', '    return out\n'),
+    ),
+    Mistake(
         "embedding-not-masked",
         "ids outside the rank's vocabulary block not zeroed before the all_reduce",
         "An id another rank holds looks up row 0 here; zero those rows, or every rank adds its row 0 into the sum.",
@@ -102,10 +108,28 @@ MISTAKES = [
         replace("    start = dist.get_rank() * rows\n", "    start = 0\n"),
     ),
     Mistake(
+        'final-norm-skipped',
+        "tp_model_forward feeds the LM head the last layer's output without the final RMSNorm",
+        "Apply model.norm (rms_norm with the final weight) to the hidden state before parallel_lm_head, as m04's model_forward does.",
+        replace('    return parallel_lm_head(rms_norm(hidden, model.norm, model.eps), model.embed_tokens)\n', '    return parallel_lm_head(hidden, model.embed_tokens)\n'),
+    ),
+    Mistake(
+        'positions-from-zero',
+        "tp_model_forward numbers every call's tokens from position 0, whatever the caches hold",
+        "A call after others continues the sequence: its first token's position is the number of tokens the caches already hold (len(caches[0])).",
+        replace('    past = 0 if caches is None else len(caches[0])\n', '    past = 0\n'),
+    ),
+    Mistake(
         "gather-out-of-order",
         "the gathered logit slices concatenated in reverse rank order",
         "Rank r holds vocabulary ids r*Vr .. (r+1)*Vr - 1: concatenate the slices in rank order, rank 0's first.",
         replace("    return torch.cat(slices, dim=-1)", "    return torch.cat(slices[::-1], dim=-1)"),
+    ),
+    Mistake(
+        'one-cache-for-all-layers',
+        'tp_generate_greedy gives every layer the same KVCache',
+        'Each layer stores its own keys and values: make one KVCache per layer ([KVCache() for _ in layers]); [KVCache()] * L is one object L times.',
+        replace('    caches = [KVCache() for _ in model.layers]\n', '    caches = [KVCache()] * len(model.layers)\n'),
     ),
     Mistake(
         "token-not-broadcast",
