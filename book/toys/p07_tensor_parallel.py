@@ -219,9 +219,11 @@ def scenarios(toy: dict) -> list[Scenario]:
 
 PROBE_CASE = T("runs like the checks' (the toy's layer split over 4 ranks, where its 2 kv heads do not divide, and "
                "a one-layer model built on the toy's layer, with a vocabulary of 6, generating 4 tokens greedily on "
-               "2 ranks)",
-               "和检查里一样的运行（把 toy 的层切到 4 个 rank 上，它的 2 个 kv head 分不开；以及用 toy 的层搭一个"
-               "单层模型，词表大小 6，在 2 个 rank 上贪心生成 4 个 token）")
+               "2 ranks and giving rank 0's logits for its prompt; and the same model with the toy's layer twice, "
+               "two layers, generating 4 tokens greedily on 2 ranks)",
+               "和检查里一样的运行（把 toy 的层切到 4 个 rank 上，它的 2 个 kv head 分不开；用 toy 的层搭一个"
+               "单层模型，词表大小 6，在 2 个 rank 上贪心生成 4 个 token，并给出 rank 0 上 prompt 的 logits；"
+               "以及把 toy 的层用两次、搭成两层的同一个模型，在 2 个 rank 上贪心生成 4 个 token）")
 
 PROMPT = [4, 0, 5, 2]
 NEW_TOKENS = 4
@@ -241,22 +243,31 @@ def _split_fields(module, toy: dict, world_size: int = 4) -> list[Field]:
                     f"返回了分片：num_kv_heads 为 {kv}，qkv 行为 {rows}"))]
 
 
-def probe_model(toy: dict) -> SimpleNamespace:
-    """The toy's layer under a random embedding of 6 tokens: an m04 `Qwen3Weights` (any object with its
-    attributes)."""
+def probe_model(toy: dict, layers: int = 1) -> SimpleNamespace:
+    """The toy's layer (`layers` times) under a random embedding of 6 tokens: an m04 `Qwen3Weights` (any object
+    with its attributes)."""
     layout = toy["layout"]
     gen = torch.Generator().manual_seed(4)
     embed = torch.randn(toy["vocab"]["size"], layout["hidden"], generator=gen, dtype=F32)
-    return SimpleNamespace(embed_tokens=embed, layers=[_numeric_layer(toy)], norm=torch.ones(layout["hidden"]),
+    return SimpleNamespace(embed_tokens=embed, layers=[_numeric_layer(toy) for _ in range(layers)],
+                           norm=torch.ones(layout["hidden"]),
                            eps=layout["eps"], rope_theta=layout["rope_theta"], head_dim=layout["head_dim"])
 
 
-def _greedy_fields(module, toy: dict) -> list[Field]:
-    model, tp = probe_model(toy), toy["world_size"]
+def _greedy_fields(module, toy: dict, layers: int = 1) -> list[Field]:
+    model, tp = probe_model(toy, layers), toy["world_size"]
     shards = [module.shard_model(model, r, tp) for r in range(tp)]
     found = run_ranks(module.tp_generate_greedy, [(s, torch.tensor(PROMPT), NEW_TOKENS) for s in shards], tp)
     return [Field(f"tokens{r}", T(f"tokens on rank {r}", f"rank {r} 上的 token"), vector(tokens))
             for r, tokens in enumerate(found)]
+
+
+def _logits_fields(module, toy: dict) -> list[Field]:
+    model, tp = probe_model(toy), toy["world_size"]
+    shards = [module.shard_model(model, r, tp) for r in range(tp)]
+    found = run_ranks(module.tp_model_forward, [(s, torch.tensor(PROMPT)) for s in shards], tp)
+    logits = "None" if found[0] is None else found[0].round(decimals=4)
+    return [Field("logits", T("rank 0's logits", "rank 0 的 logits"), logits)]
 
 
 def probes() -> list[Scenario]:
@@ -268,6 +279,16 @@ def probes() -> list[Scenario]:
         Scenario("probe-greedy", T(f"tp_generate_greedy({vector(PROMPT)}, {NEW_TOKENS}) on 2 ranks",
                                    f"在 2 个 rank 上调用 tp_generate_greedy({vector(PROMPT)}, {NEW_TOKENS})"),
                  lambda module: _greedy_fields(module, toy)),
+        Scenario("probe-logits", T(f"tp_model_forward({vector(PROMPT)}) on 2 ranks: rank 0's logits of the last "
+                                   "token",
+                                   f"在 2 个 rank 上调用 tp_model_forward({vector(PROMPT)})：rank 0 上最后一个 "
+                                   "token 的 logits"),
+                 lambda module: _logits_fields(module, toy)),
+        Scenario("probe-two-layers", T(f"tp_generate_greedy({vector(PROMPT)}, {NEW_TOKENS}) on 2 ranks, the toy's "
+                                       "layer twice (two layers)",
+                                       f"在 2 个 rank 上调用 tp_generate_greedy({vector(PROMPT)}, {NEW_TOKENS})，"
+                                       "toy 的层用两次（两层）"),
+                 lambda module: _greedy_fields(module, toy, layers=2)),
     ]
 
 

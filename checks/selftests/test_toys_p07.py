@@ -24,7 +24,7 @@ STORED = 5e-5  # the toy file stores the layer's output to 4 decimals
 ON_THE_TOY = {"qkv-contiguous-slice", "gate-up-contiguous-slice", "heads-not-divided", "o-proj-by-rows",
               "all-reduce-after-column", "no-reduce-after-o-proj", "no-reduce-after-down", "residual-before-reduce",
               "embedding-not-masked", "gather-out-of-order", "kv-heads-not-divided", "embedding-block-at-zero",
-              "gate-up-swapped", "row-shard-start-not-scaled", "norm-before-reduce"}
+              "gate-up-swapped", "row-shard-start-not-scaled", "norm-before-reduce", "embedding-not-reduced"}
 # A number each Pitfalls entry quotes, which the book's run of the mistake must show.
 QUOTED = {
     "qkv-contiguous-slice": "[0, 1, 2, 3, 4, 5, 6, 7]",
@@ -40,9 +40,13 @@ QUOTED = {
     "no-reduce-after-down": "[-0.454, 0.0887, 0.6878, -2.6986]",
     "residual-before-reduce": "[0.6277, -1.0955, 1.5859, -2.9305]",
     "norm-before-reduce": "[0.4218, -0.764, 0.9435, -2.6021]",
+    "embedding-not-reduced": "[0, 0, 0, 0]",
     "embedding-not-masked": "[40, 42, 44, 46]",
     "embedding-block-at-zero": "[30, 32, 34, 36]",
+    "final-norm-skipped": "[4.0256, -3.7537, 2.6619, 7.4307, -11.7342, -3.9899]",
+    "positions-from-zero": "[3, 3, 3, 3]",
     "gather-out-of-order": "[15, 20, 25, 0, 5, 10]",
+    "one-cache-for-all-layers": "[3, 3, 0, 4]",
     "token-not-broadcast": "[3, 1, 1, 1]",
 }
 
