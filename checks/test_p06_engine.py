@@ -38,7 +38,7 @@ pytestmark = pytest.mark.p06
 
 TOLERANCE_KIND = "sampler"
 # What `./check.sh grade` awards: a check's points, shared out over its cases (a module is worth the sum,
-# 43, less the CUDA-graph check's 2 where there is no GPU). An optional oracle's check (absent on most machines)
+# 44, less the CUDA-graph check's 2 where there is no GPU). An optional oracle's check (absent on most machines)
 # is worth nothing.
 POINTS = {
     "test_toy_probabilities": 2,
@@ -54,6 +54,7 @@ POINTS = {
     "test_first_token_follows_the_distribution": 4,
     "test_engine_loads_a_local_checkpoint_folder": 1,
     "test_decode_graph_pads_without_storing": 2,
+    "test_generate_refuses_a_request_longer_than_max_model_len": 1,
     "test_two_ranks_give_the_tokens_of_one": 4,
 }
 CONTRACTS = {
@@ -450,6 +451,9 @@ def test_prefix_hits_are_served_and_counted(request, impl, seed):
         again.outputs = llm.generate([list(second_prompt)], [Params()])
         again.stats = dict(llm.stats)
         expect_greedy(again, seed, layout, "a later prompt sharing the freed blocks")
+        expect_count(again, "chunked_prefills", lambda got: got == 1,
+                     "1: only the second call's first step leaves a prompt incomplete (16 of its 19 new tokens); a "
+                     "step that computes the rest of a prompt, after a cached prefix or a chunk, is no chunked prefill")
         expect_count(again, "cached_tokens", lambda got: got == 2 * n,
                      f"{2 * n} cached tokens after the second call: its two shared blocks were freed but still cached "
                      f"(counted once, in the first of the two steps that compute its other {LATER_TAIL} tokens under a "
@@ -529,7 +533,12 @@ def expect_chunk_stores_only_its_tokens(impl, seed: int) -> None:
     table = list(request.block_table)
     runner = impl.ModelRunner(on_device(weights(seed, layout)), config.num_blocks, config.block_size,
                               config.max_num_seqs, config.max_model_len, False)
-    runner.prefill(second)
+    logits = runner.prefill(second)
+    V = SHAPES[layout][0]
+    if not isinstance(logits, torch.Tensor) or tuple(logits.shape) != (1, V) or logits.dtype != torch.float32:
+        shown = f"{list(logits.shape)} {logits.dtype}" if isinstance(logits, torch.Tensor) else type(logits).__name__
+        raise Mismatch(f"ModelRunner.prefill of one request returned {shown}, expected [1, {V}] torch.float32: the "
+                       f"logits are float32 whatever the model's dtype ({ENGINE_DTYPE} here)")
     caches = {"k_caches": runner.k_caches, "v_caches": runner.v_caches}
     size = config.block_size
     slot_of = {table[i // size] * size + i % size: i for i in range(len(prompt))}
@@ -545,6 +554,21 @@ def expect_chunk_stores_only_its_tokens(impl, seed: int) -> None:
                            f"{name} slots of tokens [{shown}]: a chunk computes and stores its own tokens only; the "
                            f"{start} before it are in the cache already (num_computed_tokens, not num_cached_tokens, "
                            f"is what p01's Sequence takes as cached)")
+
+
+def test_generate_refuses_a_request_longer_than_max_model_len(impl, seed):
+    """LLM.generate refuses, with a ValueError, a request whose prompt and max_tokens together pass max_model_len"""
+    gen = torch.Generator().manual_seed(seed)
+    prompt = random_prompts(gen, SHAPES[ONE_HEAD][0], (10,))[0]
+    llm = impl.LLM(on_device(weights(seed, ONE_HEAD)), Config(max_model_len=16))
+    try:
+        llm.generate([list(prompt)], [Params(max_tokens=7)])
+    except LearnerError as error:
+        if "raised ValueError" in str(error):
+            return
+        raise
+    raise Mismatch("LLM.generate served a prompt of 10 tokens with max_tokens 7 under max_model_len 16: 17 tokens "
+                   "would not fit, so it must raise ValueError before serving anything (the prompt alone fits)")
 
 
 GRAPH_PROMPTS = (5, 9, 7)  # three requests decode together: the graph of 4 rows replays with one padding row

@@ -31,6 +31,12 @@ Scheduler.schedule = _schedule_mixed
 
 MISTAKES = [
     Mistake(
+        'new-request-joins-left',
+        'add puts a new request on the left of waiting, ahead of the older ones',
+        'Requests are served in arrival order: add appends on the right; only a preempted request goes back on the left.',
+        replace('        self.waiting.append(request)\n        return request\n', '        self.waiting.appendleft(request)\n        return request\n'),
+    ),
+    Mistake(
         "preempt-oldest",
         "decode preempts the oldest running request instead of the newest",
         "When a request needs a block and none is free, give up the request at the right end of `running` "
@@ -100,6 +106,12 @@ MISTAKES = [
         replace("request.num_computed_tokens = request.num_cached_tokens", "request.num_computed_tokens = 0"),
     ),
     Mistake(
+        'budget-charges-whole-length',
+        "a scheduled request takes its whole length from the step's token budget, not the tokens it computes",
+        'A request costs the tokens this step computes (num_scheduled_tokens): its cached prefix and earlier chunks are not computed again, so they take no budget.',
+        replace('            budget -= request.num_scheduled_tokens\n', '            budget -= len(request)\n'),
+    ),
+    Mistake(
         "chunk-later-request",
         "a later request that does not fit the budget left is chunked too",
         "Only the first request of a step may be cut to the budget; a later one that does not fit whole ends "
@@ -152,6 +164,12 @@ MISTAKES = [
         "sums the scheduled tokens of the requests (an engine's statistics) must not count a step that is over.",
         replace("            request.num_scheduled_tokens = 0\n            if request.num_computed_tokens < len(request):",
                 "            if request.num_computed_tokens < len(request):"),
+    ),
+    Mistake(
+        'prefill-step-when-waiting',
+        'schedule returns an empty prefill step when requests wait but the first cannot be allocated',
+        'A step is a prefill step only if it scheduled something: when nothing waiting fits, decode the running requests instead (they free blocks as they finish).',
+        replace('        if scheduled:\n            return scheduled, True\n', '        if self.waiting:\n            return scheduled, True\n'),
     ),
     Mistake(
         "prefill-and-decode-mixed",
@@ -209,6 +227,12 @@ MISTAKES = [
         "Finish as soon as the request has `max_tokens` completion tokens (the token just appended included): "
         "`len(completion_token_ids) >= max_tokens`.",
         replace("len(request.completion_token_ids) >= request.max_tokens", "len(request.completion_token_ids) > request.max_tokens"),
+    ),
+    Mistake(
+        'finished-stays-running',
+        'a finished request is freed but stays in running',
+        'postprocess removes a finished request from running (and frees its blocks): left there, the next decode step schedules it again.',
+        replace('                self.running.remove(request)\n', ''),
     ),
     Mistake(
         "finished-not-freed",

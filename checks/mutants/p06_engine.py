@@ -7,6 +7,18 @@ from checks.harness.mistakes import Broken, Mistake, Variant, chain, everyday_br
 
 MISTAKES = [
     Mistake(
+        'model-len-without-max-tokens',
+        'generate checks the prompt alone against max_model_len, not the prompt with its max_tokens',
+        'A request needs room for its prompt and every token it may generate: refuse it when len(prompt) + max_tokens > max_model_len.',
+        replace('            if len(prompt) + p.max_tokens > self.config.max_model_len:\n', '            if len(prompt) > self.config.max_model_len:\n'),
+    ),
+    Mistake(
+        'outputs-include-prompt',
+        "generate returns each request's prompt and completion instead of the completion alone",
+        'generate returns the generated tokens only: completion_token_ids, not token_ids.',
+        replace('        return [list(request.completion_token_ids) for request in requests]\n', '        return [list(request.token_ids) for request in requests]\n'),
+    ),
+    Mistake(
         "temperature-multiplied",
         "the logits multiplied by the temperature instead of divided",
         "A temperature below 1 sharpens the distribution: divide the logits by it (0.5 doubles every gap).",
@@ -109,6 +121,12 @@ MISTAKES = [
         replace('            if p.seed is not None:\n', '            if p.seed:\n'),
     ),
     Mistake(
+        'seeded-noise-fills-batch',
+        "a seeded request's generator fills the whole batch's noise instead of its own row",
+        "Redraw only the seeded request's row (noise[b].exponential_(generator=own)): filling every row consumes its generator B times a step and gives the other rows its draws.",
+        replace('                noise[b].exponential_(generator=own)\n', '                noise.exponential_(generator=own)\n'),
+    ),
+    Mistake(
         "seeded-generator-restarted",
         "a seeded request's generator started again from its seed at every step",
         "Seed a request's generator once, when generate queues it, and keep drawing from it: started again each step, "
@@ -125,6 +143,12 @@ MISTAKES = [
         "Count the rows that drew a token (the requests whose prompt is complete after the step): a chunk's row "
         "samples nothing, so it adds nothing to tokens_out.",
         replace('self.stats["tokens_out"] += len(rows)', 'self.stats["tokens_out"] += len(requests)'),
+    ),
+    Mistake(
+        'chunked-prefills-counts-cached',
+        "stats['chunked_prefills'] counts a step where a request computes less than its whole length, a cached prefix's rest or a last chunk included",
+        'A chunked prefill is a step that leaves some prompt incomplete: num_computed_tokens + num_scheduled_tokens < len(request), not num_scheduled_tokens < len(request).',
+        replace('                r.num_computed_tokens + r.num_scheduled_tokens < len(r) for r in requests)\n', '                r.num_scheduled_tokens < len(r) for r in requests)\n'),
     ),
     Mistake(
         'decode-steps-counts-requests',
@@ -190,6 +214,12 @@ MISTAKES = [
         "paged_prefill given each chunk's new-token count as its sequence's whole length",
         "seqlens_k are the whole lengths, cached tokens included (from cu_seqlens_k): with the new tokens' counts the chunk attends to the first keys of its sequence, not to all it has.",
         replace('        seqlens_k = (meta.cu_seqlens_k[1:] - meta.cu_seqlens_k[:-1]).to(torch.int32)  # [B] whole lengths\n', '        seqlens_k = (meta.cu_seqlens_q[1:] - meta.cu_seqlens_q[:-1]).to(torch.int32)  # [B] whole lengths\n'),
+    ),
+    Mistake(
+        'logits-in-model-dtype',
+        "the runner returns the logits in the model's dtype instead of float32",
+        "Return float32 logits ([B, V] .float()): the sampler's softmax and the masks' thresholds need them, and the contract says float32.",
+        replace('            return (normed @ model.embed_tokens.T).float()  # [B, V]\n', '            return normed @ model.embed_tokens.T  # [B, V]\n'),
     ),
     Mistake(
         "first-row-logits",
