@@ -7,6 +7,18 @@ from checks.harness.mistakes import Broken, Mistake, Variant, everyday_breakage,
 
 MISTAKES = [
     Mistake(
+        'column-shard-unchecked',
+        'column_shard does not refuse a row count the world size does not divide',
+        'Raise ValueError when world_size does not divide the rows: a floor division drops the last rows and no rank holds them.',
+        replace('    if n % world_size:\n        raise ValueError(f"{n} rows do not split over {world_size} ranks")\n', ''),
+    ),
+    Mistake(
+        'merged-parts-equal',
+        'merged_column_shard cuts the fused matrix into equal parts instead of by part_sizes',
+        'Split the fused matrix by part_sizes (torch.split(weight, part_sizes)): q, k and v differ in size whenever there are fewer kv heads than query heads.',
+        replace('    parts = torch.split(weight, list(part_sizes), dim=0)\n', '    parts = weight.chunk(len(part_sizes), dim=0)\n'),
+    ),
+    Mistake(
         "qkv-contiguous-slice",
         "the fused qkv sliced as one block of rows, not part by part",
         "Shard q, k and v each on its own and stack the rank's blocks: a contiguous slice of the fused matrix gives rank 0 all the q heads and rank 1 the k and v ones.",
@@ -89,6 +101,12 @@ MISTAKES = [
         replace('    dist.all_reduce(attended)\n    normed, hidden = add_rms_norm(attended, hidden, w.post_attention_layernorm, w.eps)\n', '    normed, hidden = add_rms_norm(attended, hidden, w.post_attention_layernorm, w.eps)\n    dist.all_reduce(hidden)\n'),
     ),
     Mistake(
+        'mlp-residual-from-normed',
+        "the layer's output adds the MLP to the normed hidden state instead of the residual stream",
+        'The residual is the hidden state before the post-attention norm (what add_rms_norm returns second): return hidden + mlp_out, not normed + mlp_out.',
+        replace('    return hidden + mlp_out\n', '    return normed + mlp_out\n'),
+    ),
+    Mistake(
         'embedding-not-reduced',
         "the vocab-parallel embedding returns the rank's masked lookup without the all_reduce",
         "Each rank knows only the ids in its block (the rest are zero rows): all_reduce the lookups so every rank holds every token's embedding.",
@@ -120,6 +138,12 @@ MISTAKES = [
         replace('    past = 0 if caches is None else len(caches[0])\n', '    past = 0\n'),
     ),
     Mistake(
+        'lm-head-slice-on-other-ranks',
+        'parallel_lm_head returns its own slice on the ranks other than 0',
+        'Only rank 0 gathers the whole logits; every other rank sends its slice and returns None, as the contract says.',
+        replace('        dist.gather(logits, None, dst=0)\n        return None\n', '        dist.gather(logits, None, dst=0)\n        return logits\n'),
+    ),
+    Mistake(
         "gather-out-of-order",
         "the gathered logit slices concatenated in reverse rank order",
         "Rank r holds vocabulary ids r*Vr .. (r+1)*Vr - 1: concatenate the slices in rank order, rank 0's first.",
@@ -130,6 +154,12 @@ MISTAKES = [
         'tp_generate_greedy gives every layer the same KVCache',
         'Each layer stores its own keys and values: make one KVCache per layer ([KVCache() for _ in layers]); [KVCache()] * L is one object L times.',
         replace('    caches = [KVCache() for _ in model.layers]\n', '    caches = [KVCache()] * len(model.layers)\n'),
+    ),
+    Mistake(
+        'greedy-prefill-without-caches',
+        'tp_generate_greedy runs the prompt without the caches, so the decode steps see none of it',
+        "Pass the caches to the prompt's forward as well: the decode steps attend to the prompt's keys and values only if the prefill stored them.",
+        replace('    logits = tp_model_forward(model, prompt_ids, caches)\n', '    logits = tp_model_forward(model, prompt_ids)\n'),
     ),
     Mistake(
         "token-not-broadcast",
