@@ -7,6 +7,7 @@
 Learner code never runs here: it runs in workers joined in a real process group (`ranks.py`).
 """
 
+import os
 import threading
 from contextlib import contextmanager
 
@@ -91,11 +92,35 @@ def _patched(group: _Group):
                     "get_world_size": lambda group=None: simulated.world_size, "is_initialized": lambda: True}
     for name, value in replacements.items():
         setattr(dist, name, value)
+    executor = _interpreter_grid()
+    launch = executor and executor.__call__
+    if executor is not None:  # Triton's interpreter keeps a launch's grid in globals: two rank threads launching at
+        # once corrupt each other's (`x >= grid_dim[0]`), so the ranks' kernels run one at a time here
+        turn = threading.Lock()
+
+        def in_turn(self, *args, **kwargs):
+            with turn:
+                return launch(self, *args, **kwargs)
+
+        executor.__call__ = in_turn
     try:
         yield
     finally:
         for name, value in saved.items():
             setattr(dist, name, value)
+        if executor is not None:
+            executor.__call__ = launch
+
+
+def _interpreter_grid():
+    """Triton's interpreter's grid executor, where kernels run in it (TRITON_INTERPRET=1), else None."""
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        return None
+    try:
+        from triton.runtime.interpreter import GridExecutor
+    except ImportError:  # no Triton, or another layout of it: nothing launches kernels here
+        return None
+    return GridExecutor
 
 
 def run_ranks(function, per_rank_args: list[tuple], world_size: int, timeout: float = 60.0) -> list:
