@@ -217,11 +217,14 @@ def scenarios(toy: dict) -> list[Scenario]:
 # ---- probes: what a 2-rank split of one layer never exercises ------------------------------------------
 
 
-PROBE_CASE = T("runs like the checks' (the toy's layer split over 4 ranks, where its 2 kv heads do not divide, and "
+PROBE_CASE = T("runs like the checks' (the toy's layer split over 4 ranks, where its 2 kv heads do not divide; "
+               "column_shard of a matrix of 6 rows, as many as the toy's vocabulary, over 4 ranks, which do not "
+               "divide them; and "
                "a one-layer model built on the toy's layer, with a vocabulary of 6, generating 4 tokens greedily on "
                "2 ranks and giving rank 0's logits for its prompt; and the same model with the toy's layer twice, "
                "two layers, generating 4 tokens greedily on 2 ranks)",
-               "和检查里一样的运行（把 toy 的层切到 4 个 rank 上，它的 2 个 kv head 分不开；用 toy 的层搭一个"
+               "和检查里一样的运行（把 toy 的层切到 4 个 rank 上，它的 2 个 kv head 分不开；用 column_shard 把一个 "
+               "6 行的矩阵（行数和 toy 的词表一样）切给 4 个 rank，6 行分不开；用 toy 的层搭一个"
                "单层模型，词表大小 6，在 2 个 rank 上贪心生成 4 个 token，并给出 rank 0 上 prompt 的 logits；"
                "以及把 toy 的层用两次、搭成两层的同一个模型，在 2 个 rank 上贪心生成 4 个 token）")
 
@@ -241,6 +244,20 @@ def _split_fields(module, toy: dict, world_size: int = 4) -> list[Field]:
     return [Field("split", T(f"shard_layer(layer, r, {world_size})", f"shard_layer(layer, r, {world_size})"),
                   T(f"returns shards with num_kv_heads {kv} and qkv rows {rows}",
                     f"返回了分片：num_kv_heads 为 {kv}，qkv 行为 {rows}"))]
+
+
+def _column_split_fields(module, toy: dict, world_size: int = 4) -> list[Field]:
+    """column_shard of a matrix whose row i is all i, with as many rows as the toy's vocabulary, over
+    `world_size` ranks that do not divide them: the rows each rank gets, or the ValueError."""
+    n, hidden = toy["vocab"]["size"], toy["layout"]["hidden"]
+    weight = torch.arange(n, dtype=F32)[:, None].expand(n, hidden).contiguous()
+    label = T(f"column_shard({n} rows, r, {world_size})", f"column_shard({n} 行, r, {world_size})")
+    try:
+        held = [_ints(module.column_shard(weight.clone(), r, world_size)[:, 0]) for r in range(world_size)]
+    except ValueError:
+        return [Field("split", label, T("raises ValueError", "抛出 ValueError"))]
+    rows = ", ".join(vector(h) for h in held)
+    return [Field("split", label, T(f"returns rows {rows}", f"返回的行为 {rows}"))]
 
 
 def probe_model(toy: dict, layers: int = 1) -> SimpleNamespace:
@@ -289,6 +306,9 @@ def probes() -> list[Scenario]:
                                        f"在 2 个 rank 上调用 tp_generate_greedy({vector(PROMPT)}, {NEW_TOKENS})，"
                                        "toy 的层用两次（两层）"),
                  lambda module: _greedy_fields(module, toy, layers=2)),
+        Scenario("probe-column-split", T(f"column_shard of {toy['vocab']['size']} rows for 4 ranks",
+                                         f"用 column_shard 把 {toy['vocab']['size']} 行切给 4 个 rank"),
+                 lambda module: _column_split_fields(module, toy)),
     ]
 
 

@@ -24,9 +24,12 @@ STORED = 5e-5  # the toy file stores the layer's output to 4 decimals
 ON_THE_TOY = {"qkv-contiguous-slice", "gate-up-contiguous-slice", "heads-not-divided", "o-proj-by-rows",
               "all-reduce-after-column", "no-reduce-after-o-proj", "no-reduce-after-down", "residual-before-reduce",
               "embedding-not-masked", "gather-out-of-order", "kv-heads-not-divided", "embedding-block-at-zero",
-              "gate-up-swapped", "row-shard-start-not-scaled", "norm-before-reduce", "embedding-not-reduced"}
+              "gate-up-swapped", "row-shard-start-not-scaled", "norm-before-reduce", "embedding-not-reduced",
+              "merged-parts-equal", "mlp-residual-from-normed", "lm-head-slice-on-other-ranks"}
 # A number each Pitfalls entry quotes, which the book's run of the mistake must show.
 QUOTED = {
+    "column-shard-unchecked": "[0], [1], [2], [3]",
+    "merged-parts-equal": "[0, 1, 2, 6, 7, 8, 12, 13]",
     "qkv-contiguous-slice": "[0, 1, 2, 3, 4, 5, 6, 7]",
     "gate-up-contiguous-slice": "[4, 5, 6, 7]",
     "heads-not-divided": "[4, 2]",
@@ -40,13 +43,16 @@ QUOTED = {
     "no-reduce-after-down": "[-0.454, 0.0887, 0.6878, -2.6986]",
     "residual-before-reduce": "[0.6277, -1.0955, 1.5859, -2.9305]",
     "norm-before-reduce": "[0.4218, -0.764, 0.9435, -2.6021]",
+    "mlp-residual-from-normed": "[1.7928, -0.8392, 0.2995, -1.8538]",
     "embedding-not-reduced": "[0, 0, 0, 0]",
     "embedding-not-masked": "[40, 42, 44, 46]",
     "embedding-block-at-zero": "[30, 32, 34, 36]",
     "final-norm-skipped": "[4.0256, -3.7537, 2.6619, 7.4307, -11.7342, -3.9899]",
     "positions-from-zero": "[3, 3, 3, 3]",
+    "lm-head-slice-on-other-ranks": "a tensor [2, 3]",
     "gather-out-of-order": "[15, 20, 25, 0, 5, 10]",
     "one-cache-for-all-layers": "[3, 3, 0, 4]",
+    "greedy-prefill-without-caches": "[3, 3, 3, 3]",
     "token-not-broadcast": "[3, 1, 1, 1]",
 }
 
