@@ -176,7 +176,8 @@ def _configs():
         # tiles, since each step of the loop costs the interpreter far more than the arithmetic in it
         return [triton.Config({"BLOCK_N": 128, "BLOCK_K": 128}, num_warps=4, num_stages=1)]
     # (output columns per program, reduction tile, warps, stages), timed once per shape and dtype
-    shapes = [(64, 64, 4, 3), (128, 64, 4, 3), (64, 128, 4, 3), (128, 128, 8, 2), (32, 64, 4, 4)]
+    shapes = [(64, 64, 4, 3), (128, 64, 4, 3), (64, 128, 4, 3), (128, 128, 8, 2), (32, 64, 4, 4),
+              (128, 64, 8, 4), (256, 64, 8, 3), (256, 64, 8, 4), (256, 32, 8, 4)]  # the wide ones: a prefill's
     return [triton.Config({"BLOCK_N": n, "BLOCK_K": kk}, num_warps=w, num_stages=s) for n, kk, w, s in shapes]
 
 
