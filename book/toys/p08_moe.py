@@ -11,8 +11,6 @@ read from the toy file and checked against the routing. Where this build cannot 
 need one say so (`NOT_RUN`).
 """
 
-import contextlib
-import threading
 
 import torch
 
@@ -96,34 +94,13 @@ def _block_fields(module, toy: dict, norm: bool) -> list[Field]:
     return [Field("output", T("output", "输出"), out.cpu()), Field("inputs", T("inputs", "输入"), inputs)]
 
 
-_ONE_KERNEL_AT_A_TIME = threading.Lock()
-
-
-@contextlib.contextmanager
-def _kernels_in_turn(module):
-    """Triton's interpreter keeps the running grid in globals: two rank threads launching kernels at once
-    corrupt each other's launch (`x >= grid_dim[0]`). While the ranks run, the module's `fused_moe` takes
-    a lock, so the ranks' kernels run one after the other (compiled ones would not need it)."""
-    fused_moe = module.fused_moe
-
-    def in_turn(*args, **kwargs):
-        with _ONE_KERNEL_AT_A_TIME:
-            return fused_moe(*args, **kwargs)
-
-    module.fused_moe = in_turn
-    try:
-        yield
-    finally:
-        module.fused_moe = fused_moe
-
-
 def _ep_run(module, toy: dict) -> list[torch.Tensor]:
     device = _kernels.device()
     x, w = _inputs(module, toy, device=device)
     ranks = toy["expert_parallel"]["world_size"]
     shards = [module.shard_experts(w, r, ranks) for r in range(ranks)]
     tokens = toy["expert_parallel"]["tokens"]
-    with _kernels.quiet(), _kernels_in_turn(module):
+    with _kernels.quiet():  # simdist runs the ranks' interpreted kernels one at a time
         found = run_ranks(module.expert_parallel_moe, [(x[rows].clone(), shard) for rows, shard in
                                                        zip(tokens, shards, strict=True)], ranks)
         _kernels.synchronize()
