@@ -1,4 +1,4 @@
-"""How well the kit NAMES mistakes it did not write itself: `python -m checks.naming_rate [MODULE ...]`.
+"""How well the kit NAMES mistakes it did not write itself: `python -m checks.naming_rate [MODULE | MISTAKE ...]`.
 
 The mistakes under checks/selftests/independent/ (one file per mistake, `<module>-<short-name>.json`: the
 module file it changes and one exact edit of the reference, `old` -> `new`) were written from the stubs'
@@ -74,8 +74,9 @@ def judge(mistake: Path) -> tuple[str, list[str], str]:
 
 
 def main(argv: list[str]) -> None:
-    wanted = [m.split("_")[0] for m in argv]
-    mistakes = sorted(f for f in MISTAKES.glob("*.json") if not wanted or f.name.split("-")[0] in wanted)
+    wanted = [m.split("_")[0] for m in argv]  # module ids (p05, p06_engine), or mistakes by name (p05-preempt-to-right)
+    mistakes = sorted(f for f in MISTAKES.glob("*.json")
+                      if not wanted or f.name.split("-")[0] in wanted or f.stem in argv)
     guessed, totals = guesses(), {}
     print(f"{'mistake':42} {'verdict':8} {'guess':32} named (ranked)")
     for mistake in mistakes:
