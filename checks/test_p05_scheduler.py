@@ -350,6 +350,12 @@ class Driver:
                       f"expected {ids(expected_finished)}")
         self.done |= set(finished_names)
         self.check_state(k, finished_names)
+        over = self.scheduler.is_finished()
+        if over is not self.model.finished():
+            left = [*self.queue("waiting"), *self.queue("running")]
+            self.fail(f"{self.title}after step {k}: is_finished() is {self.shown(over)}, expected "
+                      f"{self.model.finished()}: " + (f"{ids(left)} still wait or run" if left else
+                                                       "no request waits or runs"))
         return names, is_prefill, finished_names
 
     def run_to_the_end(self, sampled=None, most: int = 60) -> None:

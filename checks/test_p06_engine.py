@@ -65,13 +65,14 @@ CONTRACTS = {
 TOY = load_toy("p06_engine")
 # Checks whose failures are not replayed on the catalogue to name a mistake: each replay reruns a whole
 # engine per mutant, and every mistake these catch is also caught, and named, by a cheaper check.
-UNNAMED = {"test_stops_at_eos_unless_ignored",
-           "test_first_token_follows_the_distribution", "test_engine_loads_a_local_checkpoint_folder"}
+UNNAMED = {"test_first_token_follows_the_distribution", "test_engine_loads_a_local_checkpoint_folder"}
 # Checks that name only some mistakes: the engine on two ranks is replayed for the mistakes of its
 # tensor-parallel branch alone (every other one is named by a check on one rank).
 NAMED_BY = {"test_two_ranks_give_the_tokens_of_one": lambda mistake_id: mistake_id.startswith("tp-"),
             # ... and the preemption run for the mistakes of its counter alone (a whole engine run per mutant)
-            "test_preemption_keeps_the_tokens": lambda mistake_id: mistake_id.startswith("preemptions-")}
+            "test_preemption_keeps_the_tokens": lambda mistake_id: mistake_id.startswith("preemptions-"),
+            # ... and the stop-token run for the one mistake only it catches
+            "test_stops_at_eos_unless_ignored": lambda mistake_id: mistake_id == "ignore-eos-not-passed"}
 # (V, hidden, I, L, H, KVH, D): head dims the kernels take (powers of two >= 16), H != KVH
 LAYOUTS = {  # the cheaper first: a mistake both reject is named there, and a run --until-named stops there
     "L2-H2-KVH1-D16": (64, 32, 48, 2, 2, 1, 16),

@@ -402,7 +402,8 @@ def test_collectives(impl, seed):
 @pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES.keys())
 @pytest.mark.parametrize("split", SPLITS)
 def test_model_matches_hf(impl, seed, gen, split, dtype):
-    """tp_model_forward: rank 0's logits for every position match HF Qwen3ForCausalLM, the others return None"""
+    """tp_model_forward: rank 0's logits for every position (all_logits) or the last one match HF Qwen3ForCausalLM,
+    the others return None"""
     tp, layout = SPLITS[split]
     P = int(torch.randint(4, 10, (), generator=gen))
     case = hf_case(seed, layout, dtype, P)
@@ -410,6 +411,9 @@ def test_model_matches_hf(impl, seed, gen, split, dtype):
                                                     for r in range(tp)])
     logits = only_rank_zero(out, "tp_model_forward")
     expect_close(logits, case.logits, tolerance("model", dtype), f"rank 0's logits ({P} tokens, {tp} ranks)")
+    out = ranks(impl, tp).call("tp_model_forward", [(rank_model(case.w, r, tp), case.prompt) for r in range(tp)])
+    expect_close(only_rank_zero(out, "tp_model_forward"), case.logits[-1:], tolerance("model", dtype),
+                 f"rank 0's logits without all_logits (the last of {P} tokens only, [1, V])")
 
 
 CHUNKED_CALLS = ((0, 5), (5, 7), (7, 8))  # tokens start .. stop - 1 of each call: two prefill chunks, a decode step

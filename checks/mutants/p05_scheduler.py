@@ -37,6 +37,12 @@ MISTAKES = [
         replace('        self.waiting.append(request)\n        return request\n', '        self.waiting.appendleft(request)\n        return request\n'),
     ),
     Mistake(
+        'is-finished-ignores-running',
+        'is_finished is True once nothing waits, while requests still run',
+        'The scheduler is finished only when no request waits AND none runs: check both queues.',
+        replace('        return not self.waiting and not self.running\n', '        return not self.waiting\n'),
+    ),
+    Mistake(
         "preempt-oldest",
         "decode preempts the oldest running request instead of the newest",
         "When a request needs a block and none is free, give up the request at the right end of `running` "
@@ -186,6 +192,12 @@ MISTAKES = [
                 "while self.waiting and budget > 0:"),
     ),
     Mistake(
+        'decode-token-left-on-ids',
+        'a decode step reads the sampled token without popping it, so append adds it a second time',
+        'Pop the last token before appending it (token_ids.pop()): postprocess already put it on token_ids, and BlockManager.append adds it again with its slot.',
+        replace('            token = request.token_ids.pop()  # sampled last step, still without a slot\n', '            token = request.token_ids[-1]  # sampled last step, still without a slot\n'),
+    ),
+    Mistake(
         'decode-seq-cap-off-by-one',
         'a decode step takes max_num_seqs + 1 requests',
         'Stop adding requests to a decode step once it holds max_num_seqs (`<`, not `<=`).',
@@ -200,6 +212,12 @@ MISTAKES = [
                       "while self.running and len(scheduled) < self.max_num_seqs and budget > 0:"),
               replace("                request.num_scheduled_tokens = 1\n",
                       "                request.num_scheduled_tokens = 1\n                budget -= 1\n")),
+    ),
+    Mistake(
+        'prefilled-status-not-running',
+        'a request whose prompt is complete joins running with its status still WAITING',
+        'Set status to RUNNING when a request moves from waiting to running: the status says which queue it is in.',
+        replace('            request.status = RUNNING\n', ''),
     ),
     Mistake(
         'prefilled-joins-left',

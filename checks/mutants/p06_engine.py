@@ -19,6 +19,12 @@ MISTAKES = [
         replace('        return [list(request.completion_token_ids) for request in requests]\n', '        return [list(request.token_ids) for request in requests]\n'),
     ),
     Mistake(
+        'ignore-eos-not-passed',
+        "generate does not pass a request's ignore_eos to the scheduler",
+        'Pass SamplingParams.ignore_eos to Scheduler.add: without it every request stops at the stop token.',
+        replace('            request = self.scheduler.add(self._next_id, list(prompt), p.max_tokens, p.ignore_eos)\n', '            request = self.scheduler.add(self._next_id, list(prompt), p.max_tokens)\n'),
+    ),
+    Mistake(
         "temperature-multiplied",
         "the logits multiplied by the temperature instead of divided",
         "A temperature below 1 sharpens the distribution: divide the logits by it (0.5 doubles every gap).",
@@ -39,6 +45,12 @@ MISTAKES = [
         'the whole batch taken greedily when its first row has temperature 0',
         'Take the all-argmax shortcut only when EVERY row is greedy: a row with temperature > 0 samples at its own temperature, whatever the rows before it ask.',
         replace('        if all(float(p.temperature) <= 0 for p in params):  # decided on the host: no wait for the GPU\n', '        if float(params[0].temperature) <= 0:  # decided on the host: no wait for the GPU\n'),
+    ),
+    Mistake(
+        'masks-only-when-top-k',
+        'the masks run only when some row asks for top-k, so top-p alone is ignored',
+        'Sort and mask when any row asks for top-k OR top-p (top_p < 1): a row with only top-p needs the sorted cumulative sum too.',
+        replace('    if bool((top_k > 0).any() | (top_p < 1).any()):', '    if bool((top_k > 0).any()):'),
     ),
     Mistake(
         "top-k-drops-ties",
@@ -84,6 +96,12 @@ MISTAKES = [
         "After masking, divide the kept probabilities by their sum: `probabilities` returns a distribution (rows sum "
         "to 1), and the kept tokens' shares are what a sampler and the checks read.",
         replace("        probs = probs / probs.sum(dim=-1, keepdim=True)\n", ""),
+    ),
+    Mistake(
+        'top-p-mask-in-sorted-order',
+        "top-p's drop mask, computed in sorted order, applied to the vocabulary without mapping it back",
+        "The cumulative sums are in sorted order: scatter the drop mask back through the sort's indices before masking the vocabulary.",
+        replace('        drop = torch.zeros_like(probs).scatter(1, order, (before >= top_p.float()[:, None]).float()).bool()\n', '        drop = before >= top_p.float()[:, None]\n'),
     ),
     Mistake(
         "top-p-before-top-k",

@@ -74,6 +74,12 @@ MISTAKES = [
         replace("    gate, up = gate_up.chunk(2, dim=-1)  # [T, Ir] each\n", "    dist.all_reduce(gate_up)\n    gate, up = gate_up.chunk(2, dim=-1)  # [T, Ir] each\n"),
     ),
     Mistake(
+        'attention-reads-unnormed',
+        'the attention reads the hidden state before the input norm',
+        "Norm first: the attention takes rms_norm(hidden, input_layernorm), as m04's decoder layer does; the residual keeps the un-normed one.",
+        replace('    attended = attention_forward(_Attention(w), normed, cos, sin, cache)', '    attended = attention_forward(_Attention(w), hidden, cos, sin, cache)'),
+    ),
+    Mistake(
         "no-reduce-after-o-proj",
         "the attention's partial sums used without the all_reduce after o_proj",
         "After a row-parallel projection each rank holds only its heads' share of the output: all_reduce it before the residual add.",
@@ -107,6 +113,12 @@ MISTAKES = [
         replace('    return hidden + mlp_out\n', '    return normed + mlp_out\n'),
     ),
     Mistake(
+        'embedding-not-sharded',
+        'shard_model gives every rank the whole embedding instead of its block of the vocabulary',
+        "Each rank holds V / tp rows of the embedding (column_shard of embed_tokens): the vocab-parallel lookup and the LM head expect the rank's block.",
+        replace('    return TPWeights(column_shard(model.embed_tokens, rank, world_size),\n', '    return TPWeights(model.embed_tokens,\n'),
+    ),
+    Mistake(
         'embedding-not-reduced',
         "the vocab-parallel embedding returns the rank's masked lookup without the all_reduce",
         "Each rank knows only the ids in its block (the rest are zero rows): all_reduce the lookups so every rank holds every token's embedding.",
@@ -126,6 +138,12 @@ MISTAKES = [
         replace("    start = dist.get_rank() * rows\n", "    start = 0\n"),
     ),
     Mistake(
+        'all-logits-ignored',
+        "tp_model_forward returns every position's logits even without all_logits",
+        "Without all_logits keep only the last position ([1, V]): that is what a generation step samples from, and the contract's shape.",
+        replace('    if not all_logits:\n        hidden = hidden[-1:]\n', ''),
+    ),
+    Mistake(
         'final-norm-skipped',
         "tp_model_forward feeds the LM head the last layer's output without the final RMSNorm",
         "Apply model.norm (rms_norm with the final weight) to the hidden state before parallel_lm_head, as m04's model_forward does.",
@@ -142,6 +160,12 @@ MISTAKES = [
         'parallel_lm_head returns its own slice on the ranks other than 0',
         'Only rank 0 gathers the whole logits; every other rank sends its slice and returns None, as the contract says.',
         replace('        dist.gather(logits, None, dst=0)\n        return None\n', '        dist.gather(logits, None, dst=0)\n        return logits\n'),
+    ),
+    Mistake(
+        'gather-slices-aliased',
+        "the gather's slices are one tensor listed tp times, so every slice holds the same rank's logits",
+        "Make tp distinct tensors ([torch.empty_like(logits) for _ in range(tp)]): [t] * tp is one tensor tp times, and gather writes every rank's slice into it.",
+        replace('    slices = [torch.empty_like(logits) for _ in range(world_size)]\n', '    slices = [torch.empty_like(logits)] * world_size\n'),
     ),
     Mistake(
         "gather-out-of-order",
