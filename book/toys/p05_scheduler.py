@@ -3,7 +3,8 @@
 Each step adds the step's requests, calls `schedule()`, then `postprocess()` with the sampled tokens. The
 batch (request and num_scheduled_tokens), whether it is a prefill, the finished requests, both queues, the
 free list, and every waiting or running request's block table and computed tokens come from the reference,
-and must equal what the toy file stores (else `ToyDrift`). Worked here and tied to the reference: each
+and must equal what the toy file stores (else `ToyDrift`); every request's status and is_finished() are shown
+beside them, not stored. Worked here and tied to the reference: each
 prefill request's cost (its tokens minus its computed ones) against the budget left, which must give the
 reference's num_scheduled_tokens.
 """
@@ -14,6 +15,8 @@ from book.toys import Cell, Field, Scenario, Step, Table, ToyDrift
 STATE = ("batch", "is_prefill", "finished", "waiting", "running", "free", "block_tables", "num_computed_tokens")
 # Shown beside the state, not stored in the toy file: it follows from the queues (waiting or running).
 STATUS = "status"
+# Also shown, not stored: is_finished() after the step, which follows from the queues (both empty).
+OVER = "is_finished"
 LABELS = {
     "batch": T("batch (request num_scheduled_tokens)", "batch（请求 num_scheduled_tokens）"),
     "is_prefill": T("is_prefill", "is_prefill"),
@@ -24,6 +27,7 @@ LABELS = {
     "block_tables": T("block tables", "块表"),
     "num_computed_tokens": T("computed tokens", "已计算的 token 数"),
     STATUS: T("status", "status"),
+    OVER: T("is_finished()", "is_finished()"),
     "completions": T("completion tokens so far", "目前生成的 token"),
     "scheduled_after": T("num_scheduled_tokens after postprocess", "postprocess 之后的 num_scheduled_tokens"),
 }
@@ -68,7 +72,7 @@ def replay(module, scenario: dict, upto: int | None = None) -> tuple[list[dict],
                       "free": list(scheduler.block_manager.free_block_ids),
                       "block_tables": {names[id(r)]: list(r.block_table) for r in live},
                       "num_computed_tokens": {names[id(r)]: r.num_computed_tokens for r in live},
-                      STATUS: {names[id(r)]: r.status for r in live}})
+                      STATUS: {names[id(r)]: r.status for r in live}, OVER: scheduler.is_finished()})
     completions = {name: list(r.token_ids[r.num_prompt_tokens :]) for name, r in requests.items()}
     return found, completions
 
@@ -86,8 +90,9 @@ def _fields(found: dict, completions: dict) -> list[Field]:
             "finished": _list(found["finished"]), "waiting": _list(found["waiting"]),
             "running": _list(found["running"]), "free": _list(found["free"]),
             "block_tables": _per_request(found["block_tables"]),
-            "num_computed_tokens": _per_request(found["num_computed_tokens"]), STATUS: _per_request(found[STATUS])}
-    return [*(Field(key, LABELS[key], text[key]) for key in (*STATE, STATUS)),
+            "num_computed_tokens": _per_request(found["num_computed_tokens"]), STATUS: _per_request(found[STATUS]),
+            OVER: str(found[OVER])}
+    return [*(Field(key, LABELS[key], text[key]) for key in (*STATE, STATUS, OVER)),
             Field("completions", LABELS["completions"], _per_request(completions))]
 
 
