@@ -11,6 +11,8 @@ sorts the outcome into:
 - cause: rejected, the report names none, and every failing case gives a cause that needs no catalogue (a value
   returned as a view of an input, an exception, a time-out, a dtype or shape): the right outcome where the
   guess column says `(cause)`;
+- rule: rejected, the report names no known mistake but the contract's rule the code breaks (the catalogue's
+  RULES), listed as `rule:<id>` in the report's ranking order;
 - unnamed: rejected, but the report names none.
 
 Per module it prints how many were rejected, how many of those were named, and how many were named
@@ -27,7 +29,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from checks.harness.report import Result, rank_mistakes
+from checks.harness.report import Result, rank_mistakes, rank_rules
 
 KIT = Path(__file__).resolve().parent.parent
 MISTAKES = KIT / "checks" / "selftests" / "independent"
@@ -67,10 +69,14 @@ def judge(mistake: Path) -> tuple[str, list[str], str]:
         rows = [r for r in json.loads(out.read_text())["results"] if r.get("module") == stem]
     if not any(r["status"] == "failed" for r in rows):
         return ("kit error" if any(r["status"] == "kit error" for r in rows) else "passed"), [], stem
-    named = rank_mistakes([Result(**{k: v for k, v in r.items() if k in FIELDS}) for r in rows])
-    if not named and all(CAUSES.search(r["reason"]) for r in rows if r["status"] == "failed"):
+    results = [Result(**{k: v for k, v in r.items() if k in FIELDS}) for r in rows]
+    named = rank_mistakes(results)
+    if named:
+        return "named", named, stem
+    if all(CAUSES.search(r["reason"]) for r in rows if r["status"] == "failed"):
         return "cause", ["(cause)"], stem
-    return ("named" if named else "unnamed"), named, stem
+    rules = [f"rule:{rule}" for rule in rank_rules(results)]
+    return ("rule" if rules else "unnamed"), rules, stem
 
 
 def main(argv: list[str]) -> None:
@@ -82,10 +88,12 @@ def main(argv: list[str]) -> None:
     for mistake in mistakes:
         verdict, named, stem = judge(mistake)
         guess = guessed.get(mistake.stem, "")
-        t = totals.setdefault(stem, {"mistakes": 0, "rejected": 0, "named": 0, "cause": 0, "first=guess": 0})
+        t = totals.setdefault(stem, {"mistakes": 0, "rejected": 0, "named": 0, "rule": 0, "cause": 0,
+                                     "first=guess": 0})
         t["mistakes"] += 1
-        t["rejected"] += verdict in ("named", "cause", "unnamed")
+        t["rejected"] += verdict in ("named", "rule", "cause", "unnamed")
         t["named"] += verdict == "named"
+        t["rule"] += verdict == "rule"
         t["cause"] += verdict == "cause"
         t["first=guess"] += bool(guess) and named[:1] == [guess]
         print(f"{mistake.stem:42} {verdict:8} {guess or '-':32} {', '.join(named) or '-'}", flush=True)

@@ -15,7 +15,7 @@ contract, so a p01 that passes its checks is assumed here.
 """
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import pytest
 from hypothesis import strategies as st
@@ -54,6 +54,28 @@ POINTS = {
 }
 CONTRACTS = {}  # results are checked field by field below
 TOY = load_toy("p05_scheduler")
+# The rule a check stands for, named where its own statement of a case (not the model's) fails: see RULES in
+# checks/mutants/p05_scheduler.py. A difference from the model names its rule where it is found (`Driver.fail`).
+RULE_OF = {
+    "test_prefill_comes_before_decode": "prefill-before-decode",
+    "test_a_step_never_mixes_prefill_and_decode": "one-kind-a-step",
+    "test_the_token_budget_is_never_exceeded": "token-budget",
+    "test_max_num_seqs_caps_every_step": "seq-cap",
+    "test_a_decode_step_is_bounded_by_max_num_seqs_not_the_token_budget": "decode-takes-the-running",
+    "test_a_cached_prefix_costs_nothing": "cached-prefix-is-computed",
+    "test_only_the_first_request_of_a_step_is_chunked": "only-the-first-is-chunked",
+    "test_a_chunk_advances_computed_tokens_and_discards_its_token": "a-chunk-stays-first",
+    "test_a_request_runs_only_once_its_prompt_is_complete": "complete-prompt-runs",
+    "test_postprocess_sets_num_scheduled_tokens_back_to_0": "scheduled-back-to-zero",
+    "test_decode_preempts_the_newest_running_request": "preempt-the-newest",
+    "test_a_request_preempts_itself_only_when_no_other_is_left": "preempt-the-newest",
+    "test_preempted_requests_come_back_first_and_are_recomputed": "preempted-come-back-first",
+    "test_a_preempted_request_is_recomputed_in_chunks_with_its_completion_tokens": "cost-is-what-is-not-computed",
+    "test_decoded_requests_keep_their_order": "running-in-start-order",
+    "test_requests_finish_on_eos_unless_ignore_eos_and_at_max_tokens": "finish-on-eos-or-max-tokens",
+    "test_a_finished_request_gives_its_blocks_back": "finished-leaves",
+    "test_add_refuses_what_the_cache_cannot_hold": "add-refuses",
+}
 WAITING, RUNNING, FINISHED = "waiting", "running", "finished"  # the statuses the given Request uses
 
 
@@ -262,6 +284,18 @@ class Seen:
     status: object
 
 
+@dataclass
+class Facts:
+    """What the model did in the step being checked: which rule a difference breaks depends on it."""
+
+    prefill: bool
+    preempted: set[str]  # went from running back to waiting
+    allocated: dict[str, int]  # got their blocks: name -> the cached tokens it started with
+    chunked: set[str]  # computed part of their tokens
+    completed: set[str]  # a prefill that computed all of their tokens
+    finished: set[str] = field(default_factory=set)
+
+
 class Driver:
     """Runs requests through the learner's scheduler and the model side by side. Every difference is a
     `Mismatch` of one line: which step, what differed, and the steps so far in words."""
@@ -282,6 +316,7 @@ class Driver:
         self.last_batch: list[tuple[str, int]] = []
         self.before: dict[str, list[str]] = {"waiting": [], "running": []}  # the queues when the step began
         self.title = ""  # "scenario '...', " for a toy
+        self.facts = Facts(True, set(), {}, set(), set())
 
     # -- what the check does --
     def add(self, request_id: int, prompt, max_tokens: int, ignore_eos: bool = False) -> None:
@@ -293,11 +328,13 @@ class Driver:
         except LearnerError as error:
             if refused and "ValueError" in str(error):
                 return
+            if "ValueError" in str(error):
+                error.rule = "add-refuses"  # a request that fits, refused
             raise
         if refused:
             self.fail(f"add({name}, a prompt of {count(len(prompt), 'token')}, max_tokens {max_tokens}) was accepted, "
                       f"but {count(self.limits[0], 'block')} of {self.size} tokens can never hold it: expected a "
-                      f"ValueError")
+                      f"ValueError", "add-refuses")
         if not isinstance(remote, Remote):
             self.fail(f"add({name}, ...) returned {remote!r}, expected the Request it queued")
         self.remotes[name] = remote
@@ -312,7 +349,13 @@ class Driver:
         k = self.step_number
         at = f"{self.title}step {k}"  # a toy's messages name its scenario
         self.before = {"waiting": self.queue("waiting"), "running": self.queue("running")}
+        running_before = {r.name for r in self.model.running}
+        holding = {r.name for r in self.model.waiting if r.table}
         expected, expected_prefill = self.model.schedule()
+        self.facts = Facts(expected_prefill, {r.name for r in self.model.waiting if r.name in running_before},
+                           {r.name: r.computed for r in expected if expected_prefill and r.name not in holding},
+                           {r.name for r in expected if r.computed + r.scheduled < len(r.tokens)},
+                           {r.name for r in expected if expected_prefill and r.computed + r.scheduled == len(r.tokens)})
         got = self.scheduler.schedule()
         if not isinstance(got, tuple) or len(got) != 2:
             self.fail(f"{at}: schedule() returned {self.shown(got)}, expected a (requests, is_prefill) pair")
@@ -327,14 +370,15 @@ class Driver:
         self.history.append(f"step {k}: {kind} {batch_text(seen)}")
         self.last_batch = seen
         self.batch_rules(k, seen, is_prefill)
+        want = [(r.name, r.scheduled) for r in expected]
         if toy is not None and ([list(b) for b in seen] != toy["batch"] or is_prefill != toy["is_prefill"]):
             self.fail(f"{at}: the batch is {kind} {batch_text(seen)} (request and "
                       f"num_scheduled_tokens), expected {'prefill' if toy['is_prefill'] else 'decode'} "
-                      f"{batch_text(toy['batch'])}")
-        want = [(r.name, r.scheduled) for r in expected]
+                      f"{batch_text(toy['batch'])}", self.batch_rule(seen, is_prefill, want, expected_prefill))
         if self.follow_model and (seen != want or is_prefill != expected_prefill):
             self.fail(f"{at}: the batch is {kind} {batch_text(seen)} (request and num_scheduled_tokens), "
-                      f"expected {'prefill' if expected_prefill else 'decode'} {batch_text(want)}")
+                      f"expected {'prefill' if expected_prefill else 'decode'} {batch_text(want)}",
+                      self.batch_rule(seen, is_prefill, want, expected_prefill))
         tokens = self.tokens_for(names, sampled)
         if tokens:
             self.history[-1] += f" sampled {ids(map(str, tokens))}"
@@ -343,11 +387,12 @@ class Driver:
             self.fail(f"{at}: postprocess returned {self.shown(finished)}, expected the list of finished requests")
         finished_names = [self.name_of(r, f"{at}: postprocess's finished requests") for r in finished]
         expected_finished = [r.name for r in self.model.postprocess(expected, tokens)]
+        self.facts.finished = set(expected_finished)
         if finished_names:
             self.history[-1] += f" finished {ids(finished_names)}"
         if self.follow_model and finished_names != expected_finished:
             self.fail(f"{at}: postprocess returned the finished requests {ids(finished_names)}, "
-                      f"expected {ids(expected_finished)}")
+                      f"expected {ids(expected_finished)}", self.finished_rule(finished_names, expected_finished))
         self.done |= set(finished_names)
         self.check_state(k, finished_names)
         over = self.scheduler.is_finished()
@@ -355,7 +400,7 @@ class Driver:
             left = [*self.queue("waiting"), *self.queue("running")]
             self.fail(f"{self.title}after step {k}: is_finished() is {self.shown(over)}, expected "
                       f"{self.model.finished()}: " + (f"{ids(left)} still wait or run" if left else
-                                                       "no request waits or runs"))
+                                                       "no request waits or runs"), "is-finished")
         return names, is_prefill, finished_names
 
     def run_to_the_end(self, sampled=None, most: int = 60) -> None:
@@ -429,26 +474,26 @@ class Driver:
         were = "was" if len(strays) == 1 else "were"
         if strays and is_prefill:
             self.fail(f"{at}: the prefill batch {batch_text(batch)} also decodes {ids(strays)}, which {were} "
-                      f"running: a step is prefill or decode, never both")
+                      f"running: a step is prefill or decode, never both", "one-kind-a-step")
         if strays:
             self.fail(f"{at}: the decode batch {batch_text(batch)} holds {ids(strays)}, which {were} not "
-                      f"running: a step is prefill or decode, never both")
+                      f"running: a step is prefill or decode, never both", "one-kind-a-step")
         if len({name for name, _ in batch}) != len(batch):
-            self.fail(f"{at}: a request is twice in the batch {batch_text(batch)}")
+            self.fail(f"{at}: a request is twice in the batch {batch_text(batch)}", "one-kind-a-step")
         if len(batch) > self.max_num_seqs:
             self.fail(f"{at}: {len(batch)} requests in the batch {batch_text(batch)}, over max_num_seqs "
-                      f"{self.max_num_seqs}")
+                      f"{self.max_num_seqs}", "seq-cap")
         idle = [name for name, n in batch if n < 1]
         if idle:
             self.fail(f"{at}: the batch {batch_text(batch)} (request and num_scheduled_tokens) schedules no token "
-                      f"for {ids(idle)}: every request in a batch computes at least 1 token")
+                      f"for {ids(idle)}: every request in a batch computes at least 1 token", "token-budget")
         total = sum(n for _, n in batch)
         if is_prefill and total > self.budget:
             self.fail(f"{at}: the prefill batch {batch_text(batch)} computes {total} tokens, over "
-                      f"max_num_batched_tokens {self.budget}")
+                      f"max_num_batched_tokens {self.budget}", "token-budget")
         if not is_prefill and any(n != 1 for _, n in batch):
             self.fail(f"{at}: the decode batch {batch_text(batch)} (request and num_scheduled_tokens) must "
-                      f"schedule 1 token per request")
+                      f"schedule 1 token per request", "one-kind-a-step")
 
     def check_state(self, k: int, finished: list[str]) -> None:
         waiting, running = self.queue("waiting"), self.queue("running")
@@ -458,89 +503,102 @@ class Driver:
         n = len(refs)
         if len(set(free)) != len(free) or set(free) & set(used) or set(free) | set(used) != set(range(n)):
             self.fail(f"{where}: block_manager's free_block_ids {free} and used_block_ids {used} are not a partition "
-                      f"of its {count(n, 'block')}")
+                      f"of its {count(n, 'block')}", "blocks-accounted")
         for name in finished:
             table = self.read(self.remotes[name], "block_table", name)
             if table:
-                self.fail(f"{where}: {name} has finished but still holds blocks {table}: free them")
+                self.fail(f"{where}: {name} has finished but still holds blocks {table}: free them", "finished-leaves")
         for name in self.done:
             if name in live:
-                self.fail(f"{where}: {name} has finished but is still in {'waiting' if name in waiting else 'running'}")
+                self.fail(f"{where}: {name} has finished but is still in {'waiting' if name in waiting else 'running'}",
+                          "finished-leaves")
         owners: dict[int, list[tuple[str, int]]] = {}
         for name, seen in live.items():
             for j, block in enumerate(seen.table):
                 if not 0 <= block < n:
-                    self.fail(f"{where}: {name}'s block table {seen.table} holds {block}, which is not a block")
+                    self.fail(f"{where}: {name}'s block table {seen.table} holds {block}, which is not a block",
+                              "blocks-accounted")
                 owners.setdefault(block, []).append((name, j))
         for block in range(n):
             holders = ids(name for name, _ in owners.get(block, []))
             if block in free and block in owners:
                 self.fail(f"{where}: block {block} is in block_manager.free_block_ids, but it is in the block table "
-                          f"of {holders}")
+                          f"of {holders}", "blocks-accounted")
             if refs[block] != len(owners.get(block, [])):
                 held = len(owners.get(block, []))
                 by = f"the block tables of {count(held, 'waiting or running request')} hold it: {holders}" if held \
                     else "no waiting or running request's block table holds it"
-                self.fail(f"{where}: block_manager.blocks[{block}].ref_count is {refs[block]}, but {by}")
+                self.fail(f"{where}: block_manager.blocks[{block}].ref_count is {refs[block]}, but {by}",
+                          "preempt-resets" if self.facts.preempted else "blocks-accounted")
         for block, holders in owners.items():
             prefixes = {(j, tuple(live[name].tokens[: (j + 1) * self.size])) for name, j in holders}
             full = all(len(live[name].tokens) >= (j + 1) * self.size for name, j in holders)
             if len(holders) > 1 and (len(prefixes) > 1 or not full):
                 self.fail(f"{where}: block {block} is shared by {ids(name for name, _ in holders)}, which do not have "
-                          f"the same full prefix up to its end")
+                          f"the same full prefix up to its end", "blocks-accounted")
         for name, seen in live.items():
             queue, status = ("running", RUNNING) if name in running else ("waiting", WAITING)
             if seen.status != status:
-                self.fail(f"{where}: {name} is in {queue} but its status is {seen.status!r}, expected {status!r}")
+                self.fail(f"{where}: {name} is in {queue} but its status is {seen.status!r}, expected {status!r}",
+                          "preempt-resets" if name in self.facts.preempted else "status-follows-queue")
             if name in running:
                 need = -(-(len(seen.tokens) - 1) // self.size)  # every token but the last, sampled last step
                 if len(seen.table) != need:
                     self.fail(f"{where}: running {name} has {count(len(seen.tokens), 'token')} in "
                               f"{count(len(seen.table), 'block')} {seen.table}, expected {count(need, 'block')} of "
-                              f"{self.size} tokens (a slot for every token but the last, which the step just sampled)")
+                              f"{self.size} tokens (a slot for every token but the last, which the step just sampled)",
+                              "blocks-accounted" if self.facts.prefill else "decode-takes-a-slot")
             elif seen.table and len(seen.table) != -(-len(seen.tokens) // self.size):
                 need = -(-len(seen.tokens) // self.size)
                 self.fail(f"{where}: waiting {name} has {count(len(seen.tokens), 'token')} in "
                           f"{count(len(seen.table), 'block')} {seen.table}, expected {count(need, 'block')} of "
-                          f"{self.size} tokens (a slot for every token, allocated before its prefill)")
+                          f"{self.size} tokens (a slot for every token, allocated before its prefill)",
+                          "preempt-resets" if name in self.facts.preempted else "blocks-accounted")
             elif not seen.table and seen.computed != 0:
                 self.fail(f"{where}: waiting {name} holds no blocks but has num_computed_tokens {seen.computed}, "
-                          f"expected 0 computed tokens (its K/V is gone with its blocks)")
+                          f"expected 0 computed tokens (its K/V is gone with its blocks)", "preempt-resets")
         if not self.follow_model:
             return
         model = self.model
         for field, got, want in (("waiting", waiting, [r.name for r in model.waiting]),
                                  ("running", running, [r.name for r in model.running])):
             if got != want:
-                self.fail(f"{where}: {field} is {ids(got)}, expected {ids(want)}")
+                self.fail(f"{where}: {field} is {ids(got)}, expected {ids(want)}", self.queue_rule(field, got, want))
         if free != model.cache.free:
-            self.fail(f"{where}: block_manager.free_block_ids is {differing(free, model.cache.free)}")
+            self.fail(f"{where}: block_manager.free_block_ids is {differing(free, model.cache.free)}",
+                      self.free_rule(free, model.cache.free))
         for name, seen in live.items():
             mine = self.models[name]
             if seen.tokens != mine.tokens:
-                self.fail(f"{where}: {name}'s token_ids is {differing(seen.tokens, mine.tokens)}")
+                self.fail(f"{where}: {name}'s token_ids is {differing(seen.tokens, mine.tokens)}",
+                          self.tokens_rule(name, seen.tokens, mine.tokens))
             if seen.table != mine.table:
-                self.fail(f"{where}: {name}'s block_table is {differing(seen.table, mine.table)}")
+                self.fail(f"{where}: {name}'s block_table is {differing(seen.table, mine.table)}",
+                          self.table_rule(name))
             if seen.computed != mine.computed:
                 self.fail(f"{where}: {name}'s num_computed_tokens is {seen.computed!r}, expected "
-                          f"{count(mine.computed, 'computed token')}")
+                          f"{count(mine.computed, 'computed token')}", self.computed_rule(name, seen.computed, mine.computed))
             if seen.status != mine.status:
-                self.fail(f"{where}: {name}'s status is {seen.status!r}, expected {mine.status!r}")
+                self.fail(f"{where}: {name}'s status is {seen.status!r}, expected {mine.status!r}",
+                          "preempt-resets" if name in self.facts.preempted else "status-follows-queue")
         for name in finished:
             status = self.read(self.remotes[name], "status", name)
             if status != FINISHED:
-                self.fail(f"{where}: {name} has finished but its status is {status!r}, expected {FINISHED!r}")
+                self.fail(f"{where}: {name} has finished but its status is {status!r}, expected {FINISHED!r}",
+                          "finished-leaves")
 
     def check_finished(self) -> None:
         """At the end: nothing waits or runs, and every request has exactly the model's completion tokens."""
         waiting, running = self.queue("waiting"), self.queue("running")
         if waiting or running:
-            self.fail(f"at the end: waiting {ids(waiting)} and running {ids(running)}, expected both empty")
+            self.fail(f"at the end: waiting {ids(waiting)} and running {ids(running)}, expected both empty",
+                      "finished-leaves")
         for name, mine in self.models.items():
             tokens = self.read(self.remotes[name], "token_ids", name)
             got, want = tokens[mine.prompt_len :], mine.tokens[mine.prompt_len :]
             if got != want:
-                self.fail(f"at the end: {name}'s completion tokens are {got}, expected {want}")
+                self.fail(f"at the end: {name}'s completion tokens are {got}, expected {want}",
+                          "postprocess-appends-the-token")
 
     # -- helpers --
     def tokens_for(self, names: list[str], sampled) -> list[int]:
@@ -585,8 +643,105 @@ class Driver:
             self.fail(f"step {k}: the batch is {batch_text(self.last_batch)} (request and num_scheduled_tokens), "
                       f"expected {batch_text(want)}")
 
-    def fail(self, text: str) -> None:
-        raise Mismatch(text + steps_so_far(self.history))
+    def fail(self, text: str, rule: str = "") -> None:
+        """Stop the check at a difference; `rule`: the id of the contract's rule it breaks (the catalogue's RULES)."""
+        raise Mismatch(text + steps_so_far(self.history), rule)
+
+    # -- which rule a difference from the model breaks (the state was the model's when the step began) --
+    def batch_rule(self, seen: list, is_prefill: bool, want: list, want_prefill: bool) -> str:
+        if is_prefill != want_prefill:
+            return "prefill-before-decode"
+        names, wanted = [n for n, _ in seen], [n for n, _ in want]
+        if not is_prefill:
+            if sorted(names) == sorted(wanted):
+                return "running-in-start-order"
+            if self.kept_blocks("waiting", lambda name: name in self.before["running"]):
+                return "preempt-resets"  # a request sent back still holds its blocks: the step found no room
+            return "preempt-the-newest" if self.facts.preempted or set(names) - set(wanted) else \
+                "decode-takes-the-running"
+        if names and wanted and names[0] == wanted[0] and seen[0] != want[0]:  # the first request's count
+            first, cached = names[0], self.facts.allocated.get(names[0], 0)
+            if cached and seen[0][1] == want[0][1] + cached:
+                return "cached-prefix-is-computed"
+            if first not in self.facts.allocated and \
+                    self.read(self.remotes[first], "num_computed_tokens", first) != self.models[first].computed:
+                return "cached-prefix-is-computed"  # it held its blocks already: its progress was set again
+            return "cost-is-what-is-not-computed"
+        if names == wanted:
+            return "only-the-first-is-chunked"  # a later request's count differs
+        if names == wanted[: len(names)]:
+            return "prefill-fills-the-step"
+        if wanted == names[: len(wanted)]:
+            name, n = seen[len(wanted)]
+            whole = len(self.models[name].tokens) - self.models[name].computed
+            return "only-the-first-is-chunked" if n < whole else "prefill-fills-the-step"
+        return "waiting-in-order"
+
+    def queue_rule(self, field: str, got: list[str], want: list[str]) -> str:
+        f = self.facts
+        if sorted(got) == sorted(want):  # the same requests in another order
+            if field == "running":
+                return "running-in-start-order"
+            i = next(i for i, (a, b) in enumerate(zip(got, want)) if a != b)
+            return "preempted-come-back-first" if {got[i], want[i]} & f.preempted else "waiting-in-order"
+        extra, missing = set(got) - set(want), set(want) - set(got)
+        if field == "waiting":
+            for name in sorted(missing):
+                if name in f.chunked:
+                    return "a-chunk-stays-first"
+                if name in f.preempted:
+                    return "preempted-come-back-first"
+            for name in sorted(extra):
+                if name in f.completed:
+                    return "complete-prompt-runs"
+                if name in f.finished:
+                    return "finished-leaves"
+                return "preempt-the-newest"
+            return "waiting-in-order"
+        return "finished-leaves" if extra & f.finished or extra - set(self.before["running"]) - f.completed else \
+            "running-in-start-order"
+
+    def finished_rule(self, got: list[str], want: list[str]) -> str:
+        """Finished otherwise than the model: from tokens that already differ, or by the stop rules."""
+        for name in sorted(set(got) ^ set(want)):
+            tokens = self.read(self.remotes[name], "token_ids", name)
+            if tokens != self.models[name].tokens:
+                return self.tokens_rule(name, tokens, self.models[name].tokens)
+        return "finish-on-eos-or-max-tokens"
+
+    def kept_blocks(self, field: str, which) -> bool:
+        """Whether a request of the learner's `field` that `which` accepts holds blocks."""
+        return any(which(name) and self.read(self.remotes[name], "block_table", name) for name in self.queue(field))
+
+    def free_rule(self, free: list[int], want: list[int]) -> str:
+        if sorted(free) != sorted(want):
+            if self.kept_blocks("waiting", lambda name: not self.models[name].table and name not in self.facts.preempted):
+                return "prefill-fills-the-step"  # blocks for a request the step did not get to: it went on too far
+            if self.facts.preempted:
+                return "preempt-resets"
+            if self.facts.finished:
+                return "finished-leaves"
+        return "blocks-accounted"
+
+    def tokens_rule(self, name: str, got: list[int], want: list[int]) -> str:
+        if name in self.facts.preempted:
+            return "preempt-resets"
+        if name in self.facts.chunked and len(got) > len(want):
+            return "a-chunk-stays-first"
+        if not self.facts.prefill and len(got) > len(want):
+            return "decode-takes-a-slot"
+        return "postprocess-appends-the-token"
+
+    def table_rule(self, name: str) -> str:
+        if name in self.facts.preempted:
+            return "preempt-resets"
+        return "blocks-accounted" if self.facts.prefill else "decode-takes-a-slot"
+
+    def computed_rule(self, name: str, got: int, want: int) -> str:
+        if name in self.facts.preempted:
+            return "preempt-resets"
+        cached = self.facts.allocated.get(name, 0)
+        return "cached-prefix-is-computed" if cached and got == want - cached else "computed-grows-by-the-step"
 
 
 HISTORY_CHARACTERS = 300  # the steps a message recalls: the first two (the first requests), then the latest
@@ -624,7 +779,7 @@ def with_history(method):
             text = OBJECT_REPR.sub(r"<\1 object>", text)  # the worker's package name and address say nothing
             if "p01_block_manager.py line" in text:
                 text += " · in the p01 BlockManager your scheduler calls (./check.sh p01 checks it on its own)"
-            raise LearnerError(text + steps_so_far(self.history), error.identifiable) from None
+            raise LearnerError(text + steps_so_far(self.history), error.identifiable, rule=error.rule) from None
 
     return run
 
@@ -653,22 +808,25 @@ def play_toy(impl, scenario: dict) -> None:
                                  ("running", d.queue("running"), step["running"])):
             if got != want:
                 d.fail(f"{where}: {'the finished requests are' if field == 'finished' else field + ' is'} "
-                       f"{ids(got)}, expected {ids(want)}")
+                       f"{ids(got)}, expected {ids(want)}",
+                       "finish-on-eos-or-max-tokens" if field == "finished" else d.queue_rule(field, got, want))
         free = d.blocks()[0]
         if free != step["free"]:
-            d.fail(f"{where}: block_manager.free_block_ids is {differing(free, step['free'])}")
+            d.fail(f"{where}: block_manager.free_block_ids is {differing(free, step['free'])}",
+                   d.free_rule(free, step["free"]))
         for name, table in step["block_tables"].items():
             seen = d.request(name)
             if seen.table != table:
-                d.fail(f"{where}: {name}'s block_table is {seen.table}, expected {table}")
+                d.fail(f"{where}: {name}'s block_table is {seen.table}, expected {table}", d.table_rule(name))
             if seen.computed != step["num_computed_tokens"][name]:
                 d.fail(f"{where}: {name}'s num_computed_tokens is {seen.computed}, expected "
-                       f"{count(step['num_computed_tokens'][name], 'computed token')}")
+                       f"{count(step['num_computed_tokens'][name], 'computed token')}",
+                       d.computed_rule(name, seen.computed, step["num_computed_tokens"][name]))
     for name, want in scenario["completions"].items():
         tokens = d.request(name).tokens
         if tokens[len(prompts[name]) :] != want:
             d.fail(f"{d.title}at the end: {name}'s completion tokens are {tokens[len(prompts[name]):]}, "
-                   f"expected {want}")
+                   f"expected {want}", "postprocess-appends-the-token")
 
 
 @pytest.mark.parametrize("scenario", TOY["scenarios"], ids=lambda s: s["name"])

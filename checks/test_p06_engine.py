@@ -65,6 +65,25 @@ CONTRACTS = {
 TOY = load_toy("p06_engine")
 # Checks whose failures are not replayed on the catalogue to name a mistake: each replay reruns a whole
 # engine per mutant, and every mistake these catch is also caught, and named, by a cheaper check.
+# The rule a check stands for, named where a failure does not say which one it breaks (RULES in
+# checks/mutants/p06_engine.py): the sampler's checks say it per row (mask_rule), the counters and the outputs' form
+# say theirs.
+RULE_OF = {
+    "test_toy_probabilities": "probabilities-by-definition",
+    "test_probabilities_masks_are_exact": "probabilities-by-definition",
+    "test_toy_sample": "exponential-race",
+    "test_sample_is_the_exponential_race": "exponential-race",
+    "test_first_token_follows_the_distribution": "probabilities-by-definition",
+    "test_greedy_matches_hf": "runner-computes-the-model",
+    "test_prefix_hits_are_served_and_counted": "runner-computes-the-model",
+    "test_preemption_keeps_the_tokens": "runner-computes-the-model",
+    "test_chunked_prefill_keeps_the_tokens": "runner-computes-the-model",
+    "test_decode_graph_pads_without_storing": "runner-computes-the-model",
+    "test_generate_refuses_a_request_longer_than_max_model_len": "refuses-over-max-model-len",
+    "test_stops_at_eos_unless_ignored": "eos-unless-ignored",
+    "test_seeded_requests_do_not_depend_on_the_batch": "seeded-own-generator",
+    "test_two_ranks_give_the_tokens_of_one": "ranks-agree",
+}
 UNNAMED = {"test_first_token_follows_the_distribution", "test_engine_loads_a_local_checkpoint_folder"}
 # Checks that name only some mistakes: the engine on two ranks is replayed for the mistakes of its
 # tensor-parallel branch alone (every other one is named by a check on one rank).
@@ -162,14 +181,14 @@ def engine(impl, run: Run) -> Run:
     if not isinstance(outputs, list) or len(outputs) != len(run.prompts):
         count = len(outputs) if hasattr(outputs, "__len__") else "?"
         raise Mismatch(f"generate returned {type(outputs).__name__} of {count} items, expected a list with one list "
-                       f"of tokens per prompt ({counted(len(run.prompts), 'prompt')})")
+                       f"of tokens per prompt ({counted(len(run.prompts), 'prompt')})", "generate-returns-completions")
     for i, (out, p) in enumerate(zip(outputs, run.params)):
         if not isinstance(out, list) or not all(type(t) is int for t in out):
-            raise Mismatch(f"outputs[{i}] is {type(out).__name__} {str(out)[:40]}, expected a list of ints")
+            raise Mismatch(f"outputs[{i}] is {type(out).__name__} {str(out)[:40]}, expected a list of ints", "generate-returns-completions")
         stopped = run.config.eos_token_id >= 0 and not p.ignore_eos and out and out[-1] == run.config.eos_token_id
         if len(out) > p.max_tokens or (len(out) < p.max_tokens and not stopped):
             raise Mismatch(f"request {i} has {counted(len(out), 'token')}, expected {counted(p.max_tokens, 'token')} "
-                           f"(its max_tokens; no stop token met)")
+                           f"(its max_tokens; no stop token met)", "generate-returns-completions")
     stats = llm.stats
     if not isinstance(stats, dict):
         raise Mismatch(f"LLM.stats is {type(stats).__name__}, expected the dict of counters __init__ sets up")
@@ -216,7 +235,7 @@ def expect_count(run: Run, name: str, check, wanted: str) -> None:
         check, wanted = (lambda v: v == n), f"{counted(n, 'preemption')} ({wanted}; a request counts once each " \
                                              "time a step sends it back to waiting, not at every step it waits)"
     if type(value) is not int or not check(value):
-        raise Mismatch(f"LLM.stats[{name!r}] is {value!r}, expected {wanted}")
+        raise Mismatch(f"LLM.stats[{name!r}] is {value!r}, expected {wanted}", "stats-count-once")
 
 
 # ---- which module broke the engine -----------------------------------------------------------------
@@ -268,7 +287,8 @@ def with_blame(request, impl, scenario) -> None:
         scenario(impl)
     except Mismatch as failure:
         found = blame(request, impl, scenario)
-        raise Mismatch(f"{failure} · {found}" if found else str(failure)) from None
+        elsewhere = found.startswith("it passes with the reference")  # another module's rule, not this one's
+        raise Mismatch(f"{failure} · {found}" if found else str(failure), "-" if elsewhere else failure.rule) from None
     except LearnerError as failure:
         if failure.crash is None:  # a raised error names its own file and line
             raise
@@ -285,8 +305,14 @@ def test_toy_probabilities(impl, row):
     spec = TOY["sampler"]["rows"][row]
     got = impl.probabilities(torch.tensor([spec["logits"]]), torch.tensor([float(spec["temperature"])]),
                              torch.tensor([int(spec["top_k"])]), torch.tensor([float(spec["top_p"])]))
-    expect_close(got[0], torch.tensor(spec["probabilities"]), tolerance("sampler", torch.float32),
-                 f"probabilities of toy row {row} ({spec['why']})")
+    logits = torch.tensor([spec["logits"]])
+    setting = (torch.tensor([float(spec["temperature"])]), torch.tensor([int(spec["top_k"])]),
+               torch.tensor([float(spec["top_p"])]))
+    try:
+        expect_close(got[0], torch.tensor(spec["probabilities"]), tolerance("sampler", torch.float32),
+                     f"probabilities of toy row {row} ({spec['why']})")
+    except Mismatch as failure:
+        raise Mismatch(str(failure), mask_rule(logits, *setting, got, 0)) from None
 
 
 def test_toy_sample(impl):
@@ -368,8 +394,38 @@ def test_probabilities_masks_are_exact(impl, gen):
             setting = (f"temperature {temperature[b]:g}, top_k {int(top_k[b])}, top_p {float(top_p[b]):g}")
             raise Mismatch(f"row {b} ({setting}) keeps tokens {kept[:8]}{'…' if len(kept) > 8 else ''}, "
                            f"expected {wanted[:8]}{'…' if len(wanted) > 8 else ''} ({counted(len(kept), 'token')} "
-                           f"kept, expected {len(wanted)})")
-    expect_close(got, expected.float(), tolerance("sampler", torch.float32), "the kept tokens' probabilities")
+                           f"kept, expected {len(wanted)})", mask_rule(logits, temperature, top_k, top_p, got, b))
+    try:
+        expect_close(got, expected.float(), tolerance("sampler", torch.float32), "the kept tokens' probabilities")
+    except Mismatch as failure:
+        wrong = ((got.double() - expected).abs() > 1e-5).any(-1).nonzero().flatten().tolist()
+        raise Mismatch(str(failure), mask_rule(logits, temperature, top_k, top_p, got, wrong[0]) if wrong else "") \
+            from None
+
+
+def mask_rule(logits, temperature, top_k, top_p, got, b: int) -> str:
+    """The rule row `b` of `probabilities`' result breaks (RULES in checks/mutants/p06_engine.py), from the learner's
+    row alone: one-hot where greedy, the ratios of the tokens it keeps, which tokens it keeps, its sum."""
+    t, k, p = float(temperature[b]), int(top_k[b]), float(top_p[b])
+    row, mine = logits[b].double(), got[b].double()
+    want = expected_probabilities(logits[b : b + 1], temperature[b : b + 1], top_k[b : b + 1], top_p[b : b + 1])[0]
+    if t == 0:
+        return "greedy-one-hot"
+    both = ((mine > 0) & (want > 0)).nonzero().flatten()
+    if len(both) >= 2:  # two kept tokens stand in the ratio exp((l_i - l_j) / t), renormalised or not
+        ratios = mine[both].log() - mine[both[0]].log()
+        if not torch.allclose(ratios, (row[both] - row[both[0]]) / t, atol=1e-3):
+            return "temperature-divides"
+    if ((mine > 0) != (want > 0)).any():
+        if k > 0:  # which tokens top-k alone keeps: a row that keeps others broke top-k, else top-p
+            alone = expected_probabilities(logits[b : b + 1], temperature[b : b + 1], top_k[b : b + 1],
+                                           torch.ones(1))[0] > 0
+            if p >= 1 or ((mine > 0) & ~alone).any():
+                return "top-k-keeps-ties"
+        return "top-p-smallest-set" if p < 1 else "probabilities-by-definition"
+    if abs(float(mine.sum()) - 1) > 1e-4:
+        return "renormalised"
+    return "probabilities-by-definition"
 
 
 def test_sample_is_the_exponential_race(impl, gen):

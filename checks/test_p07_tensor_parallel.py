@@ -50,6 +50,23 @@ POINTS = {
     "test_greedy_matches_hf_generate": 3,
 }
 CONTRACTS = {}  # a rank's result depends on its rank: checked below, rank by rank
+# The rule a check stands for, named where a failure does not say which one it breaks (RULES in
+# checks/mutants/p07_tensor_parallel.py, one per function)
+RULE_OF = {
+    "test_toy_shards": "shard-layer",
+    "test_toy_layer_on_two_ranks": "layer-reduces-partial-sums",
+    "test_column_row_and_merged_shards": "column-shard",
+    "test_shard_layer_matches_the_definition": "shard-layer",
+    "test_shard_layer_refuses_kv_heads_that_do_not_divide": "shard-layer",
+    "test_shard_model": "shard-model",
+    "test_vocab_parallel_embedding": "embedding-masked-and-reduced",
+    "test_parallel_lm_head": "lm-head-gathered",
+    "test_layer_matches_hf": "layer-reduces-partial-sums",
+    "test_collectives": "two-all-reduces-a-layer",
+    "test_model_matches_hf": "model-forward",
+    "test_chunked_calls_with_caches": "model-forward",
+    "test_greedy_matches_hf_generate": "greedy-broadcasts",
+}
 TOY = load_toy("p07_tensor_parallel")
 # (V, hidden, I, L, H, KVH, D): H != KVH; the second divides over 4 ranks, the first over 2 only
 LAYOUTS = {"H4-KVH2": (64, 32, 48, 2, 4, 2, 8), "H8-KVH4": (96, 40, 64, 2, 8, 4, 8)}
@@ -268,7 +285,9 @@ def test_column_row_and_merged_shards(impl, gen, tp):
                 shape = tuple(got.shape) if isinstance(got, torch.Tensor) else type(got).__name__
                 raise Mismatch(f"{name}(weight [16, 12], rank {rank}, world_size {tp}"
                                f"{', part_sizes [8, 4, 4]' if name.startswith('merged') else ''}) gives {shape} "
-                               f"with other values than rank {rank}'s block {tuple(want.shape)}")
+                               f"with other values than rank {rank}'s block {tuple(want.shape)}",
+                               {"column_shard": "column-shard", "row_shard": "row-shard"}.get(name,
+                                                                                              "merged-shard-part-by-part"))
     if tp > 1:
         expect_value_error(lambda: impl.column_shard(torch.randn(6, 4, generator=gen), 0, 4),
                            "column_shard of 6 rows over 4 ranks")
@@ -281,7 +300,8 @@ def expect_value_error(call, what: str) -> None:
         if "raised ValueError" in str(error) or "raised AssertionError" in str(error):
             return
         raise
-    raise Mismatch(f"{what} returned a result instead of raising ValueError")
+    raise Mismatch(f"{what} returned a result instead of raising ValueError",
+                   "column-shard" if what.startswith("column_shard") else "shard-layer")
 
 
 @pytest.mark.parametrize("tp", LAYER_WORLD_SIZES, ids=RANK_IDS)
@@ -439,7 +459,7 @@ def test_chunked_calls_with_caches(impl, seed):
         shapes = [tuple(c.shape) for c in chunks] if isinstance(chunks, list) else chunks
         if not isinstance(shapes, list) or [s[1] if len(s) == 3 else None for s in shapes] != [kvh] * len(shapes):
             raise Mismatch(f"rank {rank}'s layer-0 cache holds chunks {shapes}: each rank keeps its own "
-                           f"KVH / tp = {kvh} kv heads")
+                           f"KVH / tp = {kvh} kv heads", "caches-per-layer-and-rank")
 
 
 GREEDY_TOKENS, GREEDY_RANKS = 8, 2  # tp_generate_greedy's new tokens, on this many ranks

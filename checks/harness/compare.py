@@ -93,7 +93,12 @@ def tolerance(kind: str, dtype: torch.dtype) -> Tolerance:
 
 
 class Mismatch(AssertionError):
-    """A learner's value is not the expected one; the message is the report's one-line reason."""
+    """A learner's value is not the expected one; the message is the report's one-line reason. `rule`: the id of
+    the contract's rule the value breaks, where the check can tell (the module's `RULES` in its catalogue)."""
+
+    def __init__(self, message: str = "", rule: str = ""):
+        super().__init__(message)
+        self.rule = rule
 
 
 def close_enough(actual: torch.Tensor, expected: torch.Tensor, tol: Tolerance) -> bool:

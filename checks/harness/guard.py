@@ -49,14 +49,14 @@ class LearnerError(Exception):
     `crash`: the worker died running it (`WorkerGone`); `arguments`: then, the call's arguments in words
     (`q [9, 8, 16] bf16`), said after the reason as far as `CRASH_REASON_LIMIT` allows.
     `detail`: one short line the report shows under the reason (what followed from the failure: the other ranks'
-    errors; what a distributed backend printed).
+    errors; what a distributed backend printed). `rule`: as `Mismatch.rule`.
     """
 
     def __init__(self, reason: str, identifiable: bool = False, crash: WorkerGone | None = None,
-                 arguments: tuple[str, ...] = (), detail: str = ""):
+                 arguments: tuple[str, ...] = (), detail: str = "", rule: str = ""):
         super().__init__(with_arguments(reason, arguments))
         self.identifiable, self.crash, self.head, self.arguments = identifiable, crash, reason, arguments
-        self.detail = detail
+        self.detail, self.rule = detail, rule
 
     def noted(self, note: str) -> "LearnerError":
         """The same failure with `note` after its reason (before the arguments, which give way first)."""

@@ -128,11 +128,26 @@ def everyday_breakage(anchor: str, function: str, message: str = "shape mismatch
 
 
 @dataclass(frozen=True)
+class Rule:
+    """A rule of a module's contract that a check can tell is broken, whatever the code that breaks it: the
+    report names it where no catalogued mistake reproduces the learner's outputs."""
+
+    id: str
+    says: str  # the rule, one sentence
+    do: str  # what to change, one sentence
+
+
+@dataclass(frozen=True)
 class Catalogue:
     stem: str
     mistakes: tuple[Mistake, ...]
     variants: tuple[Variant, ...]
     broken: tuple[Broken, ...]
+    rules: tuple[Rule, ...] = ()
+    # how the report picks among the rules a learner's failures break: "checks" (the one most checks break) or
+    # "layers" (the first in the catalogue's order: its rules build on each other, a broken function breaks those
+    # that call it)
+    rule_ranking: str = "checks"
 
     def implementation(self, entry: Mistake | Variant | Broken) -> Implementation:
         kind = {Mistake: "mutant", Variant: "variant", Broken: "broken"}[type(entry)]
@@ -140,6 +155,9 @@ class Catalogue:
 
     def mistake(self, mistake_id: str) -> Mistake:
         return next(m for m in self.mistakes if m.id == mistake_id)
+
+    def rule(self, rule_id: str) -> Rule | None:
+        return next((r for r in self.rules if r.id == rule_id), None)
 
 
 @cache
@@ -155,6 +173,8 @@ def catalogue(stem: str) -> Catalogue:
         tuple(module.MISTAKES),
         tuple(getattr(module, "VARIANTS", ())),
         tuple(getattr(module, "BROKEN", ())),
+        tuple(getattr(module, "RULES", ())),
+        getattr(module, "RULE_RANKING", "checks"),
     )
 
 

@@ -48,6 +48,9 @@ class Result:
     # catalogued mistakes this failure reproduces whose mutant gives other outputs than the learner's code on a
     # check it PASSED: not the learner's mistake, whatever they share (rank_mistakes leaves them out)
     contradicted: list[str] = field(default_factory=list)
+    # the id of the contract's rule this failure breaks, where the check can tell (the catalogue's `RULES`): said
+    # where no catalogued mistake reproduces the learner's outputs (rank_rules)
+    rule: str = ""
 
 
 REASON_LIMIT = 300  # characters of one reason: what a learner's code says is cut here, before any output
@@ -142,6 +145,14 @@ class Reporter:
         elif isinstance(error, (LearnerError, Mismatch)) or type(error) is AssertionError:
             result.status, result.reason = "failed", said(first_line(str(error)))
             result.detail = said(first_line(getattr(error, "detail", "") or ""), limit=160)
+            # the rule the failure says it breaks, else the one the check stands for (not for a crash, which may be
+            # anything)
+            result.rule = getattr(error, "rule", "") or ("" if isinstance(error, LearnerError) else
+                                                         getattr(item.module, "RULE_OF", {}).get(item.originalname, ""))
+            result.rule = "" if result.rule == "-" else result.rule  # "-": the failure breaks no rule of this module
+            if result.rule and catalogue(stem).rule(result.rule) is None:  # a check naming a rule its catalogue lacks
+                result.status, result.reason = "kit error", f"the check names the rule {result.rule!r}, which " \
+                    f"checks/mutants/{stem}.py's RULES does not have"
             if isinstance(error, Mismatch) or getattr(error, "identifiable", False):
                 self.distances = {}
                 result.mistakes = self.name_mistakes(item, stem)
@@ -286,6 +297,8 @@ def render(results: list[Result], seed: int, seconds: float, file=None, selectio
                 seed_note = f" [dim]· case seed {c.seed}[/]" if c.status == "failed" else ""
                 likely = [m for m in ranking if m in c.mistakes][:SHOWN_MISTAKES]
                 named = f" [yellow]→ looks like {' or '.join(likely)}[/]" if likely else ""
+                if not likely and c.rule and not ranking:
+                    named = f" [yellow]→ breaks {escape(c.rule)}[/]"
                 indented(f"{case}{escape(c.reason)}{seed_note}{named}")
                 if c.detail:
                     indented(f"[dim]{escape(c.detail)}[/]", 8)
@@ -307,6 +320,19 @@ def render(results: list[Result], seed: int, seconds: float, file=None, selectio
             first = ranking[0]
             indented(f"[dim]More: ./check.sh {name} --hint 2 (or exercises/{stem}.md › Pitfalls); in the book "
                      f"(./check.sh book): .kvlab/book/{stem}.html#pitfall-{first}[/]", 2)
+        broken = rank_rules(rows) if not ranking else []
+        if broken:
+            console.print()
+            console.print("[bold yellow]The rule your code breaks:[/]" if len(broken) == 1 else
+                          "[bold yellow]The rules your code breaks:[/]")
+            for rule_id in broken[:SHOWN_MISTAKES]:
+                rule = catalogue(stem).rule(rule_id)
+                n = len({r.check for r in rows if r.status == "failed" and r.rule == rule_id})
+                indented(f"[bold]{rule_id}[/] — {escape(rule.says)} [dim](breaks {plural(n, 'check')})[/]", 2)
+                indented(f"Do: {escape(rule.do)}", 4)
+            if len(broken) > SHOWN_MISTAKES:
+                indented(f"[dim]{plural(len(broken) - SHOWN_MISTAKES, 'other rule')} also broken: fix these first; "
+                         "the first is broken by the most checks[/]", 2)
         counts = {s: sum(r.status == s for r in rows) for s in WORST_FIRST}
         summary = " · ".join(f"{n} {s}" for s, n in counts.items() if n)
         console.print()
@@ -329,9 +355,11 @@ SHOWN_MISTAKES = 2  # known mistakes named for a module (and for a case): the be
 def rank_mistakes(rows: list[Result]) -> list[str]:
     """The known mistakes the rows' failures reproduce, best first: by how many failing checks each reproduces,
     then how close its outputs come to the learner's on the failing cases it does not reproduce (the share of
-    values it gets wrong, summed), then the page's order of pitfalls. A mistake that another one beats on
-    every failing case (as close or closer everywhere, closer somewhere) is not named, nor one whose mutant
-    gives other outputs than the learner's code on a check the learner passed (`Result.contradicted`)."""
+    values it gets wrong, summed), then the page's order of pitfalls. A mistake is named only where it gives the
+    learner's outputs on every failing case it was replayed on (one it explains in part is another mistake that
+    shares a symptom; the report then says the rule instead), and not where another one beats it on every
+    failing case (as close or closer everywhere, closer somewhere), nor where its mutant gives other outputs than
+    the learner's code on a check the learner passed (`Result.contradicted`)."""
     checks: dict[str, set] = {}
     wrong = {m for r in rows for m in r.contradicted}
     for r in rows:
@@ -348,10 +376,30 @@ def rank_mistakes(rows: list[Result]) -> list[str]:
                    any(distance(o, r) < distance(m, r) for r in measured)
                    for o in {k for r in measured for k in r.distances} - wrong if o != m)
 
-    kept = [m for m in checks if not (measured and beaten(m))]
+    def unexplained(m: str) -> bool:  # a failing case it was replayed on, whose outputs it does not give
+        return any(m in r.distances and r.distances[m] > 0 and m not in r.mistakes for r in measured)
+
+    kept = [m for m in checks if not unexplained(m) and not (measured and beaten(m))]
     order = {m.id: i for i, m in enumerate(catalogue(rows[0].module).mistakes)} if rows else {}
     return sorted(kept, key=lambda m: (-len(checks[m]), sum(distance(m, r) for r in measured),
                                        order.get(m, len(order))))
+
+
+def rank_rules(rows: list[Result]) -> list[str]:
+    """The catalogued rules the failing rows say they break, most checks first, then the catalogue's order (its
+    rules go from the most specific to the most general); for a catalogue whose rules are layers (a function's rule
+    before the rules of the functions that call it), the catalogue's order alone."""
+    if not rows:
+        return []
+    rules = catalogue(rows[0].module)
+    known = {r.id: i for i, r in enumerate(rules.rules)}
+    checks: dict[str, set] = {}
+    for r in rows:
+        if r.status == "failed" and r.rule in known:
+            checks.setdefault(r.rule, set()).add(r.check)
+    if rules.rule_ranking == "layers":
+        return sorted(checks, key=lambda rule: known[rule])
+    return sorted(checks, key=lambda rule: (-len(checks[rule]), known[rule]))
 
 
 def next_step(stem: str) -> str:

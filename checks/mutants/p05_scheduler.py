@@ -3,7 +3,7 @@
 Ids match the Pitfalls section of `exercises/p05_scheduler.md`, in its order.
 """
 
-from checks.harness.mistakes import Broken, Mistake, Variant, append, chain, everyday_breakage, replace
+from checks.harness.mistakes import Broken, Mistake, Rule, Variant, append, chain, everyday_breakage, replace
 
 # A prefill step that also decodes: after the prefill part, the requests that were running before the step get
 # their decode step in the same batch (the seats the prefill left), through the decode part of `schedule` itself.
@@ -300,4 +300,114 @@ BROKEN = [
            "not one of the requests"),
     Broken("no-is-prefill", replace("        return scheduled, False\n", "        return scheduled\n"),
            "expected a (requests, is_prefill) pair"),
+]
+
+# The contract's rules, as the checks tell them broken (checks/test_p05_scheduler.py: `Driver.fail(..., rule)`): the
+# report names the rule where no mistake above reproduces a learner's outputs. From the most specific to the most
+# general: where failures break several, the report names the one most checks break, then the first here.
+RULES = [
+    Rule("decode-takes-a-slot",
+         "a decode step gives each request's last token (sampled by the previous step) its cache slot: the token "
+         "comes off token_ids and goes back through BlockManager.append, which opens a new block when it needs one",
+         "in the decode part of schedule, pop the last token, make room while can_append says no, then "
+         "block_manager.append(request, token)"),
+    Rule("preempt-the-newest",
+         "when a decode step finds no slot for a request, it preempts the newest running request (the right end of "
+         "running), again and again while there is still no slot, and the request itself only when no other is left",
+         "`while not can_append(request) and self.running: self.preempt(self.running.pop())`, then preempt the "
+         "request itself if there is still no slot"),
+    Rule("preempt-resets",
+         "preempt frees the request's blocks and sets its num_computed_tokens and num_scheduled_tokens to 0 and its "
+         "status to WAITING, and keeps its token_ids whole: its K/V is gone, all its tokens are recomputed",
+         "in preempt: block_manager.free(request), then reset those three fields; a request that preempts itself "
+         "gets back the token its decode step took off"),
+    Rule("preempted-come-back-first",
+         "a preempted request goes to the LEFT of waiting, ahead of the requests that never ran",
+         "waiting.appendleft(request) in preempt"),
+    Rule("cached-prefix-is-computed",
+         "a request that gets its blocks starts with its cached prefix computed (num_computed_tokens = "
+         "num_cached_tokens): the prefix cache's tokens cost nothing; one that holds its blocks already (a chunked "
+         "prompt) keeps the progress it has",
+         "right after block_manager.allocate(request), and only then, set num_computed_tokens from "
+         "num_cached_tokens"),
+    Rule("cost-is-what-is-not-computed",
+         "a prefill computes len(token_ids) - num_computed_tokens tokens: every token not yet in the cache, the "
+         "completion tokens of a preempted request included, and nothing twice",
+         "schedule min(len(request) - request.num_computed_tokens, budget left) tokens for it"),
+    Rule("only-the-first-is-chunked",
+         "only the first request of a prefill step may be cut to the budget left (a chunk); a later one that does "
+         "not fit whole ends the step and leads the next one",
+         "when the batch already holds a request and this one's cost exceeds the budget left, stop the step"),
+    Rule("a-chunk-stays-first",
+         "a request whose tokens are not all computed after the step (a chunk) stays first in waiting with status "
+         "WAITING, its num_computed_tokens grown by the chunk, and the token sampled after it is thrown away",
+         "move a request to running only when its scheduled tokens complete it; in postprocess, skip the token "
+         "while num_computed_tokens < len(request)"),
+    Rule("complete-prompt-runs",
+         "a request whose tokens are all computed after the step leaves waiting for the right end of running, "
+         "status RUNNING, in that same step",
+         "when num_scheduled_tokens covers the whole cost, waiting.popleft(), set RUNNING, running.append"),
+    Rule("waiting-in-order",
+         "waiting is served from the left in its order: new requests join on the right, and a prefill step takes "
+         "its first request, then the next",
+         "add appends on the right; the prefill loop always looks at waiting[0]"),
+    Rule("running-in-start-order",
+         "running keeps the order its requests started in: a decode step takes them from the left and puts the "
+         "decoded ones back on the left in the same order; a request whose prompt completes joins on the right",
+         "`self.running.extendleft(reversed(scheduled))` after a decode step; running.append for a new one"),
+    Rule("prefill-before-decode",
+         "a step is a prefill whenever the first waiting request can get its blocks and the budget; it is a decode "
+         "step only when no request could be prefilled",
+         "build the prefill batch first and return it when it is not empty; otherwise decode"),
+    Rule("prefill-fills-the-step",
+         "a prefill step goes on taking waiting requests while fewer than max_num_seqs are taken, budget is left "
+         "and the next request gets its blocks and fits whole in the budget left",
+         "stop the prefill loop only on one of those conditions, never on another"),
+    Rule("decode-takes-the-running",
+         "a decode step takes requests from the left of running until it has max_num_seqs of them or none is "
+         "left; the token budget does not bound it",
+         "loop `while self.running and len(scheduled) < self.max_num_seqs`"),
+    Rule("token-budget",
+         "a prefill step computes at most max_num_batched_tokens tokens, the first request cut to what is left, "
+         "and every request in a batch computes at least one token",
+         "subtract each request's num_scheduled_tokens from the budget left and stop when it is spent"),
+    Rule("seq-cap",
+         "no step, prefill or decode, holds more than max_num_seqs requests",
+         "check len(scheduled) < max_num_seqs before taking each request"),
+    Rule("one-kind-a-step",
+         "a step is either prefill (requests from waiting) or decode (one token for each request from running), "
+         "never both, and holds a request at most once",
+         "return the prefill batch as soon as it is not empty; a decode step schedules exactly 1 token each"),
+    Rule("finish-on-eos-or-max-tokens",
+         "a request finishes when its new token is eos_token_id (unless ignore_eos) or when it has max_tokens "
+         "completion tokens (its prompt not counted); postprocess returns those requests in batch order",
+         "after appending the token: `token == eos and not ignore_eos or len(completion_token_ids) >= max_tokens`"),
+    Rule("finished-leaves",
+         "a finished request has status FINISHED, its blocks freed and is in neither queue",
+         "in postprocess, for a finished request: set FINISHED, block_manager.free(request), running.remove"),
+    Rule("postprocess-appends-the-token",
+         "postprocess appends exactly the token sampled for each request whose tokens are all computed, and nothing "
+         "else touches token_ids",
+         "append int(token) once, after num_computed_tokens has grown by the step"),
+    Rule("computed-grows-by-the-step",
+         "postprocess adds each request's num_scheduled_tokens to its num_computed_tokens",
+         "num_computed_tokens += num_scheduled_tokens for every request of the step, chunks included"),
+    Rule("scheduled-back-to-zero",
+         "postprocess sets every request's num_scheduled_tokens back to 0",
+         "reset it right after adding it to num_computed_tokens"),
+    Rule("status-follows-queue",
+         "a request in waiting has status WAITING, one in running RUNNING, a finished one FINISHED",
+         "set status wherever a request changes queue: schedule (to RUNNING), preempt (WAITING), postprocess "
+         "(FINISHED)"),
+    Rule("is-finished",
+         "is_finished() is True exactly when no request waits or runs",
+         "`return not self.waiting and not self.running`"),
+    Rule("add-refuses",
+         "add raises ValueError for a request that could never fit the whole cache alone (its prompt and every "
+         "completion token but the last need a slot), an empty prompt or max_tokens < 1, and accepts every other",
+         "compare ceil((prompt + max_tokens - 1) / block_size) with the number of blocks of the whole cache"),
+    Rule("blocks-accounted",
+         "every block is free or used, a used block's ref_count is the number of requests holding it, no request "
+         "holds a free block, and blocks are freed in the order the BlockManager frees them",
+         "hand out and take back blocks only through allocate, append and free, once per request"),
 ]

@@ -3,7 +3,7 @@
 Ids match the Pitfalls section of `exercises/p06_engine.md`.
 """
 
-from checks.harness.mistakes import Broken, Mistake, Variant, chain, everyday_breakage, replace
+from checks.harness.mistakes import Broken, Mistake, Rule, Variant, chain, everyday_breakage, replace
 
 MISTAKES = [
     Mistake(
@@ -299,4 +299,69 @@ BROKEN = [
         "        while dist.get_rank() == 1:\n            __import__('time').sleep(0.01)\n"
         "        logits = parallel_lm_head(normed, model.embed_tokens)  # [B, V] on rank 0, None elsewhere\n"),
         "did not return within"),
+]
+
+# The contract's rules, as the checks tell them broken (checks/test_p06_engine.py: `rule` on a failure, `RULE_OF` for
+# a check that stands for one): the report names the rule where no mistake above reproduces a learner's outputs.
+# From the most specific to the most general (the sampler before the engine, the counters before the tokens): where
+# failures break several, the report names the first here.
+RULE_RANKING = "layers"
+RULES = [
+    Rule("greedy-one-hot",
+         "a row with temperature 0 is one-hot at its largest logit, whatever the other rows ask for",
+         "in probabilities, put 1.0 at each temperature-0 row's argmax and 0 elsewhere; decide the all-greedy "
+         "shortcut in _sample only when every row has temperature 0"),
+    Rule("temperature-divides",
+         "probabilities are the softmax of logits / temperature, row by row: two tokens a row keeps stand in the "
+         "ratio exp((logit_i - logit_j) / temperature)",
+         "divide each row's logits by its own temperature (a float) before the softmax"),
+    Rule("top-k-keeps-ties",
+         "top-k keeps every token whose logit is at least the k-th largest of its row (ties with the k-th all "
+         "kept), and top_k 0 keeps all",
+         "read the k-th largest value at sorted position k - 1 and drop only the tokens strictly below it"),
+    Rule("top-p-smallest-set",
+         "top-p keeps the most likely tokens, most likely first, while the mass of those before a token is below p "
+         "(the token that crosses p is kept; one whose predecessors hold exactly p is not), measured on the "
+         "distribution top-k left, and mapped back to the vocabulary's order",
+         "sort the top-k softmax, drop where cumsum - probs >= p, scatter the mask back through the sort's order"),
+    Rule("renormalised",
+         "the probabilities the masks keep are divided by their sum: every row sums to 1",
+         "after masking, probs / probs.sum(-1, keepdim=True)"),
+    Rule("probabilities-by-definition",
+         "probabilities gives each row its own distribution: temperature, then top-k, then top-p, renormalised",
+         "compare your rows one by one with the definition on the page (exercises/p06_engine.md › Computation)"),
+    Rule("exponential-race",
+         "sample returns argmax(probs / noise) in every row, so a token of probability 0 is never chosen",
+         "divide, do not multiply, and take the argmax over the vocabulary"),
+    Rule("seeded-own-generator",
+         "a request with a seed (0 included) draws its row's noise from a generator of its own, seeded once and "
+         "carried across its steps; every other row draws from the engine's generator; a chunk's row draws nothing",
+         "make the generator in generate when the request is added; in _sample fill only that request's row "
+         "from it"),
+    Rule("stats-count-once",
+         "LLM.stats counts each thing once: a step is one prefill or one decode step, a preemption once per "
+         "request sent back, a cached prefix once per admission, a chunked prefill once per step that leaves a "
+         "prompt incomplete, a token out once per token sampled",
+         "in step, add to each counter once for what this step did (compare the queues before and after schedule)"),
+    Rule("eos-unless-ignored",
+         "a request stops at eos_token_id unless its SamplingParams say ignore_eos, then it runs to max_tokens",
+         "pass each request's ignore_eos to Scheduler.add"),
+    Rule("refuses-over-max-model-len",
+         "generate raises ValueError before serving anything when a prompt with its max_tokens is longer than "
+         "max_model_len (exactly max_model_len fits)",
+         "compare len(prompt) + max_tokens > max_model_len for every request before adding any"),
+    Rule("generate-returns-completions",
+         "generate returns one list per prompt, in the prompts' order: that request's completion tokens (its stop "
+         "token included), never its prompt",
+         "keep the requests in a list as you add them and return list(request.completion_token_ids) for each"),
+    Rule("runner-computes-the-model",
+         "the runner's prefill and decode compute m04's model on the paged cache: each token at its position, its "
+         "K/V stored in its slot, attention over everything cached before it, and the float32 logits of each "
+         "request's last computed token",
+         "check the metadata of one step by hand (positions, slot_mapping, cu_seqlens, block tables, context "
+         "lengths) against exercises/p06_engine.md › Shape trace"),
+    Rule("ranks-agree",
+         "with tensor_parallel_size > 1 the engine gives the tokens of one rank: every rank runs the same steps "
+         "on its shard, with p07's collectives",
+         "check p07 first (./check.sh p07); then compare one step's logits on two ranks with one"),
 ]

@@ -3,7 +3,7 @@
 Ids match the Pitfalls section of `exercises/p07_tensor_parallel.md`.
 """
 
-from checks.harness.mistakes import Broken, Mistake, Variant, everyday_breakage, replace
+from checks.harness.mistakes import Broken, Mistake, Rule, Variant, everyday_breakage, replace
 
 MISTAKES = [
     Mistake(
@@ -222,4 +222,62 @@ BROKEN = [
         "    normed = rms_norm(hidden, w.input_layernorm, w.eps)\n    attended",
         "    while dist.get_rank() == 1:\n        __import__('time').sleep(0.01)\n"
         "    normed = rms_norm(hidden, w.input_layernorm, w.eps)\n    attended"), "waited for it"),
+]
+
+# The contract's rules, one per function, in the order the functions build on each other (checks/test_p07_tensor_
+# parallel.py: `rule` on a failure, `RULE_OF` for a check that stands for one): where a learner's failures break
+# several, the report names the first here, the lowest function that breaks its contract (a wrong shard breaks every
+# function that uses it).
+RULE_RANKING = "layers"
+RULES = [
+    Rule("column-shard",
+         "column_shard gives rank r the rows [r * n / tp, (r + 1) * n / tp) of the weight, as a tensor of its own, "
+         "and raises ValueError when tp does not divide the rows",
+         "slice weight[r * n // tp : (r + 1) * n // tp] after checking n % tp == 0, and return a copy"),
+    Rule("row-shard",
+         "row_shard gives rank r the columns [r * n / tp, (r + 1) * n / tp) of the weight, as a tensor of its own",
+         "slice weight[:, r * n // tp : (r + 1) * n // tp] and return a copy"),
+    Rule("merged-shard-part-by-part",
+         "merged_column_shard shards each part of a fused matrix (part_sizes: q, k, v or gate, up) on its own and "
+         "concatenates the rank's slices in the parts' order",
+         "weight.split(part_sizes), column_shard each part, torch.cat the results"),
+    Rule("shard-layer",
+         "shard_layer gives each rank its q, k and v heads (part by part), its gate and up features, the o_proj and "
+         "down_proj columns that match them, the norms whole, and the head counts H / tp and KVH / tp; it raises "
+         "ValueError when tp does not divide H, KVH or the intermediate size",
+         "column-shard the fused projections with merged_column_shard, row-shard o_proj and down_proj, divide "
+         "both head counts"),
+    Rule("shard-model",
+         "shard_model shards every layer with shard_layer and gives rank r the embedding rows of its vocabulary "
+         "block, keeping the final norm whole",
+         "column_shard the embedding; shard_layer each layer"),
+    Rule("embedding-masked-and-reduced",
+         "vocab_parallel_embedding looks up the ids in the rank's block [start, start + Vr) at id - start, gives "
+         "zeros for every other id, and all_reduces the sum over the ranks",
+         "mask = (ids >= start) & (ids < start + Vr); look up (ids - start) * mask, zero the rows outside, "
+         "dist.all_reduce"),
+    Rule("lm-head-gathered",
+         "parallel_lm_head computes the rank's [T, Vr] logits, gathers every rank's slice to rank 0 and "
+         "concatenates them along the vocabulary in rank order; the other ranks return None",
+         "dist.gather into a list of tp distinct tensors on rank 0, torch.cat(slices, dim=-1)"),
+    Rule("layer-reduces-partial-sums",
+         "tp_decoder_layer is HF's decoder layer on the rank's heads and features: o_proj's and down_proj's "
+         "outputs are partial sums, all_reduced (summed) before each residual add, with the input and post-"
+         "attention norms where HF has them",
+         "all_reduce right after o_proj and right after down_proj, then add_rms_norm as on one rank"),
+    Rule("two-all-reduces-a-layer",
+         "a decoder layer makes exactly two collectives (all_reduce after o_proj and after down_proj); the model "
+         "adds one for the embedding and one gather for the LM head",
+         "do not reduce anything else (the column-parallel outputs are the rank's own)"),
+    Rule("model-forward",
+         "tp_model_forward is HF's model: the embedding, every layer at the positions that follow what its cache "
+         "holds, the final norm, the LM head; without all_logits, only the last position's logits",
+         "positions from caches[0]'s length; final_norm before parallel_lm_head; logits[-1:] unless all_logits"),
+    Rule("caches-per-layer-and-rank",
+         "every rank keeps one KVCache per layer with its own KVH / tp kv heads, appended chunk by chunk",
+         "make [KVCache() for _ in layers] on every rank and pass caches[i] to layer i"),
+    Rule("greedy-broadcasts",
+         "tp_generate_greedy prefills the prompt into the caches, then feeds one new token per step; rank 0's "
+         "argmax is broadcast so every rank feeds the same token",
+         "after each forward, dist.broadcast the chosen token from rank 0 and feed only it"),
 ]

@@ -34,14 +34,15 @@ def test_a_shard_returned_as_a_view_names_no_mistake_and_says_why(tmp_path):
 
 def test_a_top_k_that_drops_ties_is_named_as_such_not_as_top_p(tmp_path):
     """torch.topk's k positions, written as a learner would: on the toy's tied row it gives what a top-p that
-    drops its crossing token gives too, but only top-k-drops-ties reproduces every failing check."""
+    drops its crossing token gives too, and on the other check it keeps another of the tied tokens than the
+    catalogue's top-k-drops-ties: no mistake gives all its outputs, and the report names the rule its rows break."""
     out = checked(tmp_path, "p06_engine", '        scaled = scaled.masked_fill(scaled < kth, float("-inf"))',
                   "        keep = torch.zeros_like(scaled, dtype=torch.bool)\n"
                   "        for b in range(B):\n"
                   "            keep[b, scaled[b].topk(int(k[b])).indices] = True\n"
                   '        scaled = scaled.masked_fill(~keep, float("-inf"))', "-k", "probabilities")
-    assert "looks like top-k-drops-ties" in out and "top-k-drops-ties — top-k keeps exactly k tokens" in out
-    assert "top-p-drops-the-crossing-token" not in out
+    assert "→ breaks top-k-keeps-ties" in out and "top-k-keeps-ties — top-k keeps every token whose logit" in out
+    assert "top-p" not in out.split("The rule your code breaks")[1]
 
 
 def test_a_failure_in_another_modules_file_says_which_call_of_this_one_led_there(tmp_path):
@@ -63,3 +64,22 @@ def test_a_mistake_whose_mutant_breaks_what_the_learner_got_right_is_not_named(t
                   '        self.stats["tokens_out"] += sum(1 for _ in requests)\n', "-k", "chunks or seeded")
     assert "looks like tokens-out-counts-chunks" in out and "tokens-out-counts-chunks — stats" in out
     assert "chunk-draws" not in out
+
+
+def test_a_mistake_no_entry_reproduces_is_told_the_rule_it_breaks_and_what_to_do(tmp_path):
+    """A p05 `add` that refuses a request which exactly fits the cache is no catalogued mistake: the report names the
+    rule `add` breaks (the refusal is its own ValueError, which says where) and what to do."""
+    out = checked(tmp_path, "p05_scheduler", "max_tokens < 1 or needed > len(self.block_manager.blocks):",
+                  "max_tokens < 1 or needed >= len(self.block_manager.blocks):", "-k", "refuses")
+    assert "→ breaks add-refuses" in out and "The rule your code breaks: add-refuses — add raises ValueError" in out
+    assert "Do: compare ceil((prompt + max_tokens - 1) / block_size)" in out
+    assert "looks like" not in out and "matches a known mistake" not in out
+
+
+def test_a_sampler_row_names_the_rule_its_values_break(tmp_path):
+    """p06's probabilities with the logits divided by the square root of the temperature: no catalogued mistake
+    (the one that multiplies gives other rows), and the rows' ratios say it is the temperature, not a mask."""
+    out = checked(tmp_path, "p06_engine", "torch.where(temperature > 0, temperature, 1.0).float()[:, None]",
+                  "torch.where(temperature > 0, temperature, 1.0).float().sqrt()[:, None]", "-k", "exact")
+    assert "→ breaks temperature-divides" in out and "temperature-divides — probabilities are the softmax" in out
+    assert "looks like" not in out
