@@ -8,11 +8,11 @@ sorts the outcome into:
 
 - passed: no check rejected the mistake (the checks are too weak for it);
 - named: rejected, and the report names known mistakes (listed in the report's ranking order);
-- cause: rejected, the report names none, and every failing case gives a cause that needs no catalogue (a value
-  returned as a view of an input, an exception, a time-out, a dtype or shape): the right outcome where the
-  guess column says `(cause)`;
 - rule: rejected, the report names no known mistake but the contract's rule the code breaks (the catalogue's
   RULES), listed as `rule:<id>` in the report's ranking order;
+- cause: rejected, the report names neither, and every failing case gives a cause that needs no catalogue (a value
+  returned as a view of an input, an exception, a time-out, a dtype or shape): the right outcome where the
+  guess column says `(cause)`;
 - unnamed: rejected, but the report names none.
 
 Per module it prints how many were rejected, how many of those were named, and how many were named
@@ -73,10 +73,12 @@ def judge(mistake: Path) -> tuple[str, list[str], str]:
     named = rank_mistakes(results)
     if named:
         return "named", named, stem
+    rules = [f"rule:{rule}" for rule in rank_rules(results)]
+    if rules:
+        return "rule", rules, stem
     if all(CAUSES.search(r["reason"]) for r in rows if r["status"] == "failed"):
         return "cause", ["(cause)"], stem
-    rules = [f"rule:{rule}" for rule in rank_rules(results)]
-    return ("rule" if rules else "unnamed"), rules, stem
+    return "unnamed", [], stem
 
 
 def main(argv: list[str]) -> None:

@@ -67,13 +67,12 @@ TOY = load_toy("p06_engine")
 # engine per mutant, and every mistake these catch is also caught, and named, by a cheaper check.
 # The rule a check stands for, named where a failure does not say which one it breaks (RULES in
 # checks/mutants/p06_engine.py): the sampler's checks say it per row (mask_rule), the counters and the outputs' form
-# say theirs.
+# say theirs. The chi-square check stands for none: the sampler, the runner and the draws all reach it.
 RULE_OF = {
     "test_toy_probabilities": "probabilities-by-definition",
     "test_probabilities_masks_are_exact": "probabilities-by-definition",
     "test_toy_sample": "exponential-race",
     "test_sample_is_the_exponential_race": "exponential-race",
-    "test_first_token_follows_the_distribution": "probabilities-by-definition",
     "test_greedy_matches_hf": "runner-computes-the-model",
     "test_prefix_hits_are_served_and_counted": "runner-computes-the-model",
     "test_preemption_keeps_the_tokens": "runner-computes-the-model",
@@ -89,7 +88,8 @@ UNNAMED = {"test_first_token_follows_the_distribution", "test_engine_loads_a_loc
 # tensor-parallel branch alone (every other one is named by a check on one rank).
 NAMED_BY = {"test_two_ranks_give_the_tokens_of_one": lambda mistake_id: mistake_id.startswith("tp-"),
             # ... and the preemption run for the mistakes of its counter alone (a whole engine run per mutant)
-            "test_preemption_keeps_the_tokens": lambda mistake_id: mistake_id.startswith("preemptions-"),
+            "test_preemption_keeps_the_tokens":
+                lambda mistake_id: mistake_id.startswith(("preemptions-", "tokens-out")),
             # ... and the stop-token run for the one mistake only it catches
             "test_stops_at_eos_unless_ignored": lambda mistake_id: mistake_id == "ignore-eos-not-passed"}
 # (V, hidden, I, L, H, KVH, D): head dims the kernels take (powers of two >= 16), H != KVH
@@ -203,23 +203,38 @@ def hf64(seed: int, layout: str):
     return hf_causal_lm(weights(seed, layout).to(torch.float64), torch.float64)
 
 
+def greedy_break(model, prompt: list[int], out: list[int]) -> tuple | None:
+    """The first of `out`'s tokens that is not HF's argmax after `prompt` and the tokens before it (near-ties
+    either way): (step, token, HF's best, its logit, the token's logit shown), or None where every one is."""
+    ids = torch.tensor(prompt + out[:-1])
+    with torch.no_grad():
+        logits = model(ids[None], use_cache=False).logits[0, len(prompt) - 1 :]  # [len(out), V]
+    for step, token in enumerate(out):
+        row = logits[step]
+        best = int(row.argmax())
+        if not 0 <= token < row.shape[0] or row[token] < row[best] - NEAR_TIE:
+            shown = f"{float(row[token]):.3f}" if 0 <= token < row.shape[0] else "out of range"
+            return step, token, best, float(row[best]), shown
+    return None
+
+
 def expect_greedy(run: Run, seed: int, layout: str, what: str) -> None:
     """Every token is HF's argmax given the prompt and the tokens before it (near-ties either way)."""
     model = hf64(seed, layout)
     for i, (prompt, out) in enumerate(zip(run.prompts, run.outputs)):
-        ids = torch.tensor(prompt + out[:-1])
-        with torch.no_grad():
-            logits = model(ids[None], use_cache=False).logits[0, len(prompt) - 1 :]  # [len(out), V]
-        for step, token in enumerate(out):
-            row = logits[step]
-            best = int(row.argmax())
-            if not 0 <= token < row.shape[0] or row[token] < row[best] - NEAR_TIE:
-                shown = f"{float(row[token]):.3f}" if 0 <= token < row.shape[0] else "out of range"
-                agree = {0: "the first token already differs", 1: "the first token agrees"}.get(
-                    step, f"the first {step} tokens agree")
-                raise Mismatch(f"{what}: request {i} (a prompt of {counted(len(prompt), 'token')}): its new token "
-                               f"{step} is id {token}, HF's argmax is id {best} (logit {float(row[best]):.3f} vs "
-                               f"{shown}); {agree}")
+        broken = greedy_break(model, prompt, out)
+        if broken is None:
+            continue
+        step, token, best, logit, shown = broken
+        agree = {0: "the first token already differs", 1: "the first token agrees"}.get(
+            step, f"the first {step} tokens agree")
+        # the tokens of another prompt, in request i's place: the outputs are out of the prompts' order
+        other = next((j for j, p in enumerate(run.prompts) if j != i and greedy_break(model, p, out) is None), None)
+        where = f"; they are prompt {other}'s greedy tokens: return the outputs in the prompts' order" \
+            if other is not None else ""
+        raise Mismatch(f"{what}: request {i} (a prompt of {counted(len(prompt), 'token')}): its new token "
+                       f"{step} is id {token}, HF's argmax is id {best} (logit {logit:.3f} vs {shown}); {agree}{where}",
+                       "generate-returns-completions" if other is not None else "")
 
 
 def counted(n: int, unit: str) -> str:
@@ -520,13 +535,21 @@ def test_prefix_hits_are_served_and_counted(request, impl, seed):
 
 
 def test_preemption_keeps_the_tokens(request, impl, seed):
-    """a cache too small for every request at once preempts and recomputes, and keeps HF's tokens"""
-    # each needs ceil((P + 7 - 1) / 4) = 3, 3 and 4 blocks by its end; 6 blocks hold two of them at most.
-    # One layer and one head: preemption is the scheduler's and the cache's doing, not the layers' (the
-    # engine recomputes a preempted request through every layer all the same).
-    greedy_against_hf(request, impl, seed, ONE_HEAD, (5, 6, 7), Params(max_tokens=7), Config(num_blocks=6),
-                      "with preemption", ("preemptions", None, "three requests needing 3 to 4 blocks each share "
-                                          "6 blocks"))
+    """a cache too small for every request at once preempts and recomputes (in chunks, its completion tokens
+    too), and keeps HF's tokens, each sampled once"""
+    # each needs ceil((P + 7 - 1) / 4) = 3, 3 and 4 blocks by its end; 6 blocks hold two of them at most. A budget
+    # of 4 chunks every prompt and every recomputation: a preempted request's chunks that cover its prompt but not
+    # its completion tokens sample nothing. One layer and one head: preemption is the scheduler's and the cache's
+    # doing, not the layers' (the engine recomputes a preempted request through every layer all the same).
+    greedy_against_hf(request, impl, seed, ONE_HEAD, (5, 6, 7), Params(max_tokens=7),
+                      Config(num_blocks=6, max_num_batched_tokens=PREEMPTION_BUDGET), "with preemption",
+                      ("preemptions", None, "three requests needing 3 to 4 blocks each share 6 blocks"),
+                      ("tokens_out", lambda n: n == 3 * 7,
+                       "21 sampled tokens (3 requests, 7 each): a recomputed request samples only once its every "
+                       "token is computed again"))
+
+
+PREEMPTION_BUDGET = 4  # the preemption check's token budget: prompts and recomputations go in chunks
 
 
 def contract_preemptions(run: Run) -> int:
@@ -614,10 +637,23 @@ def expect_chunk_stores_only_its_tokens(impl, seed: int) -> None:
 
 
 def test_generate_refuses_a_request_longer_than_max_model_len(impl, seed):
-    """LLM.generate refuses, with a ValueError, a request whose prompt and max_tokens together pass max_model_len"""
+    """LLM.generate refuses, with a ValueError, a request whose prompt and max_tokens together pass max_model_len,
+    and serves one that fills it exactly"""
     gen = torch.Generator().manual_seed(seed)
     prompt = random_prompts(gen, SHAPES[ONE_HEAD][0], (10,))[0]
     llm = impl.LLM(on_device(weights(seed, ONE_HEAD)), Config(max_model_len=16))
+    try:
+        served = llm.generate([list(prompt)], [Params(max_tokens=6)])
+    except LearnerError as error:
+        if "raised ValueError" not in str(error):
+            raise
+        # (a LearnerError, not a Mismatch: a refusal has no outputs a catalogued mistake could be compared on)
+        raise LearnerError(f"{error} · LLM.generate refused a prompt of 10 tokens with max_tokens 6 under "
+                           "max_model_len 16: 16 tokens fit exactly (refuse only prompt + max_tokens > max_model_len)",
+                           rule="refuses-over-max-model-len") from None
+    if not isinstance(served, list) or len(served) != 1 or len(served[0]) != 6:
+        raise Mismatch(f"LLM.generate of a prompt of 10 tokens with max_tokens 6 under max_model_len 16 returned "
+                       f"{str(served)[:60]}, expected one list of 6 tokens", "generate-returns-completions")
     try:
         llm.generate([list(prompt)], [Params(max_tokens=7)])
     except LearnerError as error:
@@ -720,7 +756,8 @@ def test_seeded_requests_do_not_depend_on_the_batch(request, impl, seed):
     mine = Params(temperature=0.9, top_p=0.9, max_tokens=5, seed=seed % 10_000)
     others = [Params(temperature=1.0, max_tokens=4), Params(max_tokens=3)]
     alone = Run(weights(seed, layout), prompts[:1], [mine], Config())
-    batch = Run(alone.w, prompts, [mine] + others, Config(max_num_batched_tokens=4))
+    # ... and a twin: the same prompt with the same seed, which must draw from a generator of its own as well
+    batch = Run(alone.w, prompts + prompts[:1], [mine] + others + [mine], Config(max_num_batched_tokens=4))
     # one layer and one head: the draws are the sampler's doing, not the layers'
     hot = Run(weights(seed, ONE_HEAD), prompts[1:2],
               [Params(temperature=HOT, max_tokens=HOT_TOKENS, seed=0)], Config())  # 0 is a seed too
@@ -734,6 +771,10 @@ def test_seeded_requests_do_not_depend_on_the_batch(request, impl, seed):
             raise Mismatch(f"the seeded request gave {alone.outputs[0]} alone and {batch.outputs[0]} in a batch "
                            f"whose budget of 4 chunks its prompt: its draws must come from its own generator, "
                            f"one per token it keeps")
+        if batch.outputs[3] != alone.outputs[0]:
+            raise Mismatch(f"two requests with the same prompt and the same seed gave {batch.outputs[0]} and "
+                           f"{batch.outputs[3]} in one batch, {alone.outputs[0]} alone: each request with a seed draws "
+                           f"from a generator of its own, even when another has the same seed")
         engine(impl, hot)
         tokens = hot.outputs[0]
         engine(impl, mixed)

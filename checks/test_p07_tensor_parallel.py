@@ -10,6 +10,7 @@ only its own checks). Each rank's collectives are counted. A rank that raises or
 and the report names it. On a GPU machine the ranks still run on the CPU with gloo.
 """
 
+import math
 from dataclasses import dataclass
 from functools import cache
 
@@ -449,10 +450,20 @@ def test_chunked_calls_with_caches(impl, seed):
     shards = [rank_model(case.w, r, tp) for r in range(tp)]
     tol = tolerance("model", torch.float32)
     for start, stop in CHUNKED_CALLS:
+        held = [cached_tokens(caches[r][-1]) for r in range(tp)]  # what the earlier calls left in the last layer
         out = group.call("tp_model_forward", [(shards[r], case.prompt[start:stop], caches[r], True) for r in range(tp)])
         logits = only_rank_zero(out, "tp_model_forward")
-        expect_close(logits, case.logits[start:stop], tol, f"rank 0's logits for tokens {start} .. {stop - 1} "
-                                                           f"(after {start} cached)")
+        try:
+            expect_close(logits, case.logits[start:stop], tol, f"rank 0's logits for tokens {start} .. {stop - 1} "
+                                                               f"(after {start} cached)")
+        except Mismatch as failure:
+            short = [(r, n) for r, n in enumerate(held) if n != start]
+            if not short:
+                raise
+            rank, n = short[0]
+            raise Mismatch(f"{failure} · rank {rank}'s last layer's cache held {n} tokens' keys before this call, "
+                           f"expected {start}: every layer appends each call's keys and values to its own cache",
+                           "caches-per-layer-and-rank") from None
     kvh = case.w.layers[0].num_kv_heads // tp
     for rank in range(tp):
         chunks = attribute(caches[rank][0], "k")
@@ -460,6 +471,14 @@ def test_chunked_calls_with_caches(impl, seed):
         if not isinstance(shapes, list) or [s[1] if len(s) == 3 else None for s in shapes] != [kvh] * len(shapes):
             raise Mismatch(f"rank {rank}'s layer-0 cache holds chunks {shapes}: each rank keeps its own "
                            f"KVH / tp = {kvh} kv heads", "caches-per-layer-and-rank")
+
+
+def cached_tokens(cache) -> int | object:
+    """The tokens a learner's KVCache holds keys for (its `k` chunks' rows), or what its `k` is when not chunks."""
+    chunks = attribute(cache, "k")
+    if isinstance(chunks, list) and all(isinstance(c, torch.Tensor) and c.dim() == 3 for c in chunks):
+        return sum(c.shape[0] for c in chunks)
+    return chunks
 
 
 GREEDY_TOKENS, GREEDY_RANKS = 8, 2  # tp_generate_greedy's new tokens, on this many ranks
@@ -485,6 +504,16 @@ def test_greedy_matches_hf_generate(impl, seed):
     for rank, tokens in enumerate(out):
         if not isinstance(tokens, torch.Tensor) or tokens.dtype != torch.int64 or tokens.shape != (GREEDY_TOKENS,):
             raise Mismatch(f"rank {rank} returned {tokens!r:.60}, expected {GREEDY_TOKENS} int64 tokens")
+    # what each forward fed, read from the rows of its embedding's all_reduce (the first after a broadcast)
+    hidden, P = case.w.embed_tokens.shape[1], len(case.prompt)
+    for rank, made in enumerate(group.shapes):
+        fed = [math.prod(shape) // hidden for k, (name, shape) in enumerate(made) if name == "all_reduce" and shape
+               and (k == 0 or made[k - 1][0] == "broadcast")]
+        if fed[:1] != [P] or any(n != 1 for n in fed[1:]):
+            # (not a Mismatch: the tokens may be right, and no catalogued mistake is told apart by them here)
+            raise LearnerError(f"rank {rank}'s forwards in tp_generate_greedy fed {fed} tokens (the rows of each one's "
+                               f"embedding all_reduce), expected the {P}-token prompt, then 1 token per step: the "
+                               f"caches hold the rest", rule="greedy-broadcasts")
         if not torch.equal(tokens, expected):
             step = int((tokens != expected).nonzero()[0])
             hint = " · are the other ranks given rank 0's token (a broadcast) before the next step?" if rank else ""

@@ -66,6 +66,9 @@ class Ranks:
                      for rank in range(world_size)]
         self.guards = [Guarded(run, base.stem, guarded.contracts, base.time_limit) for run in self.runs]
         self.collectives: list[list[str]] = [[] for _ in range(world_size)]
+        # (name, shape of the tensor it was given, or None) of each collective rank r made in the last call, as it
+        # reached this process
+        self.shapes: list[list[tuple]] = [[] for _ in range(world_size)]
         self.failed_at: list[float | None] = [None] * world_size  # when each rank's call failed, in the last call
         self.rendezvous = Rendezvous(world_size)
         for rank, run in enumerate(self.runs):
@@ -118,6 +121,8 @@ class Ranks:
         return obj
 
     def _meet(self, rank: int, name: str, part, deadline: float):
+        tensor = part.get("tensor") if isinstance(part, dict) else None
+        self.shapes[rank].append((name, tuple(tensor.shape) if isinstance(tensor, torch.Tensor) else None))
         return self.rendezvous.meet(rank, name, part, deadline)
 
     # ---- running on every rank ----
@@ -128,6 +133,7 @@ class Ranks:
         for run in self.runs:
             run.session.notes.clear()
         self.rendezvous = Rendezvous(self.world_size)
+        self.shapes = [[] for _ in range(self.world_size)]
         self.failed_at = [None] * self.world_size
         futures = [self.pool.submit(self._timed, rank, job) for rank, job in enumerate(jobs)]
         done, pending = wait(futures, return_when=FIRST_EXCEPTION)

@@ -303,8 +303,9 @@ BROKEN = [
 
 # The contract's rules, as the checks tell them broken (checks/test_p06_engine.py: `rule` on a failure, `RULE_OF` for
 # a check that stands for one): the report names the rule where no mistake above reproduces a learner's outputs.
-# From the most specific to the most general (the sampler before the engine, the counters before the tokens): where
-# failures break several, the report names the first here.
+# In the order the parts build on each other: the sampler's functions, the runner, then the engine's loop (its
+# draws, counters and outputs, whose checks the runner's mistakes break too): where failures break several, the
+# report names the first here.
 RULE_RANKING = "layers"
 RULES = [
     Rule("greedy-one-hot",
@@ -333,6 +334,12 @@ RULES = [
     Rule("exponential-race",
          "sample returns argmax(probs / noise) in every row, so a token of probability 0 is never chosen",
          "divide, do not multiply, and take the argmax over the vocabulary"),
+    Rule("runner-computes-the-model",
+         "the runner's prefill and decode compute m04's model on the paged cache: each token at its position, its "
+         "K/V stored in its slot, attention over everything cached before it, and the float32 logits of each "
+         "request's last computed token",
+         "check the metadata of one step by hand (positions, slot_mapping, cu_seqlens, block tables, context "
+         "lengths) against exercises/p06_engine.md › Shape trace"),
     Rule("seeded-own-generator",
          "a request with a seed (0 included) draws its row's noise from a generator of its own, seeded once and "
          "carried across its steps; every other row draws from the engine's generator; a chunk's row draws nothing",
@@ -354,12 +361,6 @@ RULES = [
          "generate returns one list per prompt, in the prompts' order: that request's completion tokens (its stop "
          "token included), never its prompt",
          "keep the requests in a list as you add them and return list(request.completion_token_ids) for each"),
-    Rule("runner-computes-the-model",
-         "the runner's prefill and decode compute m04's model on the paged cache: each token at its position, its "
-         "K/V stored in its slot, attention over everything cached before it, and the float32 logits of each "
-         "request's last computed token",
-         "check the metadata of one step by hand (positions, slot_mapping, cu_seqlens, block tables, context "
-         "lengths) against exercises/p06_engine.md › Shape trace"),
     Rule("ranks-agree",
          "with tensor_parallel_size > 1 the engine gives the tokens of one rank: every rank runs the same steps "
          "on its shard, with p07's collectives",
