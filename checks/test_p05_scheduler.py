@@ -655,12 +655,18 @@ class Driver:
         if not is_prefill:
             if sorted(names) == sorted(wanted):
                 return "running-in-start-order"
-            if self.kept_blocks("waiting", lambda name: name in self.before["running"]):
-                return "preempt-resets"  # a request sent back still holds its blocks: the step found no room
+            if self.kept_blocks("waiting", lambda name: name in self.before["running"]) or self.leaked():
+                return "preempt-resets"  # a request sent back still holds its blocks, or they went nowhere
+            sent_back = {name for name in self.queue("waiting") if name in self.before["running"]}
+            if sent_back and not self.facts.preempted:
+                return "decode-takes-a-slot"  # it found no room where there was: its slot was counted wrong
             return "preempt-the-newest" if self.facts.preempted or set(names) - set(wanted) else \
                 "decode-takes-the-running"
         if names and wanted and names[0] == wanted[0] and seen[0] != want[0]:  # the first request's count
             first, cached = names[0], self.facts.allocated.get(names[0], 0)
+            tokens, table = self.request(first).tokens, self.request(first).table
+            if len(table) > -(-len(tokens) // self.size):
+                return "blocks-accounted"  # more blocks than its tokens need: it was given blocks twice
             if cached and seen[0][1] == want[0][1] + cached:
                 return "cached-prefix-is-computed"
             if first not in self.facts.allocated and \
@@ -708,6 +714,12 @@ class Driver:
             if tokens != self.models[name].tokens:
                 return self.tokens_rule(name, tokens, self.models[name].tokens)
         return "finish-on-eos-or-max-tokens"
+
+    def leaked(self) -> bool:
+        """Whether a block is used that no waiting or running request's block table holds."""
+        held = {b for field in ("waiting", "running") for name in self.queue(field)
+                for b in self.read(self.remotes[name], "block_table", name)}
+        return bool(set(self.blocks()[1]) - held)
 
     def kept_blocks(self, field: str, which) -> bool:
         """Whether a request of the learner's `field` that `which` accepts holds blocks."""

@@ -401,7 +401,12 @@ def exactly_p_row(gen: torch.Generator, V: int) -> torch.Tensor:
 def test_probabilities_masks_are_exact(impl, gen):
     """probabilities keeps exactly the tokens top-k and top-p keep, renormalised; temperature 0 is one-hot"""
     logits, temperature, top_k, top_p = sampler_case(gen)
-    got = impl.probabilities(logits.clone(), temperature.clone(), top_k.clone(), top_p.clone())
+    try:
+        got = impl.probabilities(logits.clone(), temperature.clone(), top_k.clone(), top_p.clone())
+    except LearnerError as error:
+        if "NaN" not in str(error):
+            raise
+        raise nan_rows(impl, error, logits, temperature, top_k, top_p) from None
     expected = expected_probabilities(logits, temperature, top_k, top_p)
     for b in range(logits.shape[0]):
         kept, wanted = (got[b] > 0).nonzero().flatten().tolist(), (expected[b] > 0).nonzero().flatten().tolist()
@@ -416,6 +421,29 @@ def test_probabilities_masks_are_exact(impl, gen):
         wrong = ((got.double() - expected).abs() > 1e-5).any(-1).nonzero().flatten().tolist()
         raise Mismatch(str(failure), mask_rule(logits, temperature, top_k, top_p, got, wrong[0]) if wrong else "") \
             from None
+
+
+def nan_rows(impl, error: LearnerError, logits, temperature, top_k, top_p) -> LearnerError:
+    """`probabilities` gave NaN: ask it row by row which rows (a row whose masks dropped every token), and name the
+    mask those rows use."""
+    rows = []
+    for b in range(logits.shape[0]):
+        one = (logits[b : b + 1].clone(), temperature[b : b + 1].clone(), top_k[b : b + 1].clone(),
+               top_p[b : b + 1].clone())
+        try:
+            impl.probabilities(*one)
+        except LearnerError as row_error:
+            if "NaN" in str(row_error):
+                rows.append(b)
+    if not rows:
+        return error
+    b = rows[0]
+    k, p = int(top_k[b]), float(top_p[b])
+    rule = "top-k-keeps-ties" if k > 0 and p >= 1 else "top-p-smallest-set" if p < 1 and k == 0 else \
+        "probabilities-by-definition"
+    return LearnerError(f"{error} · alone, row {b} (temperature {float(temperature[b]):g}, top_k {k}, top_p {p:g}) "
+                        f"gives NaN{' too' if len(rows) == 1 else f', and rows {rows[1:]}'}: its masks drop every "
+                        f"token (a threshold read from other values than those it is compared with?)", rule=rule)
 
 
 def mask_rule(logits, temperature, top_k, top_p, got, b: int) -> str:
@@ -655,13 +683,19 @@ def test_generate_refuses_a_request_longer_than_max_model_len(impl, seed):
         raise Mismatch(f"LLM.generate of a prompt of 10 tokens with max_tokens 6 under max_model_len 16 returned "
                        f"{str(served)[:60]}, expected one list of 6 tokens", "generate-returns-completions")
     try:
-        llm.generate([list(prompt)], [Params(max_tokens=7)])
+        llm.generate([list(prompt[:4]), list(prompt)], [Params(max_tokens=4), Params(max_tokens=7)])
     except LearnerError as error:
-        if "raised ValueError" in str(error):
-            return
-        raise
-    raise Mismatch("LLM.generate served a prompt of 10 tokens with max_tokens 7 under max_model_len 16: 17 tokens "
-                   "would not fit, so it must raise ValueError before serving anything (the prompt alone fits)")
+        if "raised ValueError" not in str(error):
+            raise
+        queued = len(llm.scheduler.waiting) + len(llm.scheduler.running)
+        if queued:  # (the scheduler's state, not a result a catalogued mistake could be compared on)
+            raise LearnerError(f"after LLM.generate refused its second prompt (10 tokens, max_tokens 7, max_model_len "
+                               f"16), {counted(queued, 'request')} stayed in its scheduler: check every prompt before "
+                               f"queueing any", rule="refuses-over-max-model-len") from None
+        return
+    raise Mismatch("LLM.generate served a prompt of 10 tokens with max_tokens 7 under max_model_len 16 (after one of "
+                   "4 tokens): 17 tokens would not fit, so it must raise ValueError before serving anything (the "
+                   "prompt alone fits)")
 
 
 GRAPH_PROMPTS = (5, 9, 7)  # three requests decode together: the graph of 4 rows replays with one padding row

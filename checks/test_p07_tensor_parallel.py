@@ -503,7 +503,10 @@ def test_greedy_matches_hf_generate(impl, seed):
     out = group.call("tp_generate_greedy", [(rank_model(case.w, r, tp), case.prompt, GREEDY_TOKENS) for r in range(tp)])
     for rank, tokens in enumerate(out):
         if not isinstance(tokens, torch.Tensor) or tokens.dtype != torch.int64 or tokens.shape != (GREEDY_TOKENS,):
-            raise Mismatch(f"rank {rank} returned {tokens!r:.60}, expected {GREEDY_TOKENS} int64 tokens")
+            got = f"shape {list(tokens.shape)} {str(tokens.dtype).removeprefix('torch.')}" \
+                if isinstance(tokens, torch.Tensor) else f"{tokens!r:.60}"
+            raise Mismatch(f"tp_generate_greedy on rank {rank} returned {got}, expected shape [{GREEDY_TOKENS}] int64: "
+                           f"one token id per new token", "-")  # a result's form, no rule of its own
     # what each forward fed, read from the rows of its embedding's all_reduce (the first after a broadcast)
     hidden, P = case.w.embed_tokens.shape[1], len(case.prompt)
     for rank, made in enumerate(group.shapes):
