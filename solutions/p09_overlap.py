@@ -162,7 +162,7 @@ class Launched:
 
 
 class OverlapLLM(LLM):
-    """p06's engine with the host one step ahead of the device (write `step`, `add_request`, `generate`).
+    """p06's engine with the host one step ahead of the device (write `generate` and `step`).
 
     The state (laid out by `__init__`): p06's, plus `in_flight`, the `Launched` step not yet resolved (None
     when none), and `gate_up`, each layer's `cat([gate_proj, up_proj])` `[2*I, hidden]` for the fused MLP.
