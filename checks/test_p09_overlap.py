@@ -56,7 +56,7 @@ CONTRACTS = {
 # Checks that name only some mistakes: each engine run replayed on a mutant runs a whole engine, so the heavier
 # runs are replayed for the mistakes only they catch.
 NAMED_BY = {
-    "test_chunked_prefill_and_preemption_keep_the_tokens": lambda mistake_id: mistake_id == "metadata-reused",
+    "test_chunked_prefill_and_preemption_keep_the_tokens": lambda mistake_id: mistake_id == "no-wait-before-preemption",
     "test_prefix_cache_serves_generated_tokens": lambda mistake_id: mistake_id == "placeholder-block-not-rehashed",
     "test_seeded_requests_match_the_synchronous_engine": lambda mistake_id: False,
 }
@@ -209,6 +209,8 @@ def test_chunked_prefill_and_preemption_keep_the_tokens(impl, seed):
     expect_greedy(preempted, seed, ONE_HEAD, "with preemption, overlapped")
     expect_count(preempted, "preemptions", lambda n: n >= 1, "at least 1: three requests needing 3 to 4 blocks each "
                  "share 6 blocks")
+    expect_count(preempted, "waits", lambda n: n >= 1, "at least 1: a preempted request's blocks are freed at once, "
+                 "so before a step that may preempt, the engine resolves the step in flight, which reads them")
 
 
 def test_no_token_past_a_finished_request(impl, seed):
@@ -263,6 +265,8 @@ def test_seeded_requests_match_the_synchronous_engine(impl, seed):
     params = [Params(temperature=0.9, top_p=0.9, max_tokens=5, seed=seed % 10_000),
               Params(temperature=1.0, max_tokens=3, seed=seed % 10_000 + 1), Params(max_tokens=4)]
     run = Run(weights(seed, SEEDED_LAYOUT), prompts, params, Config(max_num_batched_tokens=6))
+    # The overlapped decode step's logits differ from p06's in their last bits (the fused norm): a draw could flip
+    # only where two candidates of a row nearly tie (measured: none in 60 seeds of this case).
     overlap_engine(impl, run)
     impl.fresh_worker()  # the runs compared come from two workers: one cannot replay the other's tokens
     synchronous = impl.LLM(on_device(run.w), run.config).generate([list(p) for p in prompts], list(params))

@@ -15,12 +15,12 @@ host learns the tokens one step late and applies them then: a request that finis
 token, or its last allowed token) was scheduled once more in step n+1, and that wasted row's token is
 thrown away, never emitted. Its blocks are freed only when step n+1, which still reads them, is resolved.
 
-What is guaranteed: greedy requests and seeded requests get the tokens p06's synchronous engine gives
-(each seeded request draws from its own generator, one draw per row, so the extra batches and the wasted
-rows change none of its draws); a request without a seed shares the engine's generator with its whole
-batch, so its draws follow the same distribution, not the same numbers. Logits may differ from p06's in
-their last bits (the fused norm normalises the unrounded fp32 sum), so a greedy choice between two logits
-that nearly tie may differ.
+What is guaranteed: greedy requests and seeded requests choose as p06's synchronous engine does (a seeded
+request draws from its own generator, one draw per row it keeps, so other batches around it and its own
+wasted row change none of its draws); a request without a seed shares the engine's generator with its whole
+batch, so its draws follow the same distribution, not the same numbers. The decode step's logits may differ
+from p06's in their last bits (the fused norm normalises the unrounded fp32 sum), so only a choice between
+two nearly tied candidates can differ.
 
 Ideas from: nano-vllm (`nanovllm/layers/layernorm.py`, `activation.py`: the fused add + norm and SiLU *
 up); SGLang's overlap scheduler ("future" token ids resolved on the device) and vLLM's asynchronous

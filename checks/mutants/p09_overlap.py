@@ -61,6 +61,22 @@ MISTAKES = [
                 "        meta = self._meta\n"),
     ),
     Mistake(
+        "no-wait-before-preemption",
+        "the next step scheduled while a step is in flight even when it must preempt",
+        "A preempted request gives its blocks back at once, and the step in flight may be reading them (and its "
+        "token may finish a request that is now waiting): when the running requests could open more blocks than "
+        "are free, resolve the step in flight before scheduling.",
+        chain(
+            replace("        return opening > len(manager.free_block_ids)\n", "        return False\n"),
+            # ... and a request that finishes after it was preempted leaves whichever queue holds it (else this
+            # mistake is a crash, not a wrong result)
+            replace("                self.scheduler.running.remove(request)\n",
+                    "                queue = self.scheduler.running if request in self.scheduler.running else "
+                    "self.scheduler.waiting\n"
+                    "                queue.remove(request)\n"),
+        ),
+    ),
+    Mistake(
         "placeholder-block-not-rehashed",
         "a block that a placeholder filled stays hashed with the placeholder after the real token arrives",
         "The block manager hashes a block when its last slot is given, and in an overlapped step that slot's token "
