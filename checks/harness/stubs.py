@@ -17,10 +17,11 @@ from pathlib import Path
 
 GIVEN_CLASSES = {"KVCache", "Sequence", "Block", "PrefillMetadata", "DecodeMetadata",  # classes a stub ships complete
                  "Qwen3Layer", "Qwen3Weights", "Request", "SamplingParams", "EngineConfig", "TPLayer", "TPWeights",
-                 "TensorParallel", "MoEWeights", "Permutation", "EPShard"}
+                 "TensorParallel", "MoEWeights", "Permutation", "EPShard", "Launched"}
 # methods of a learner's class that a stub ships complete
 GIVEN_METHODS = {"BlockManager.__init__", "Scheduler.__init__", "Scheduler.add", "Scheduler.is_finished",
-                 "ModelRunner.__init__", "LLM.__init__", "LLM.close", "LLM._blocks_that_fit"}
+                 "ModelRunner.__init__", "LLM.__init__", "LLM.close", "LLM._blocks_that_fit",
+                 "OverlapLLM.__init__", "OverlapLLM.add_request"}
 # functions a stub ships complete (set-up the exercise leans on)
 GIVEN_FUNCTIONS = {"serves_on_gpus", "move_weights", "rank_weights"}
 

@@ -211,6 +211,20 @@ CLAIMS = [
           lambda m: [m.REFUSED_EXPERTS, m.REFUSED_WORLD_SIZE],
           r"`shard_experts` of (?P<n>\d+ experts over \d+) ranks must raise",
           r"(?P<n>\d+ 个专家分给 \d+) 个 rank 时 `shard_experts` 必须抛出"),
+    Claim("p09_overlap", "the fused kernels in fp32 and bf16", "DTYPES", lambda m: dtypes(m.DTYPES.values()),
+          r"both in (?P<n>fp32 and bf16) on rows", r"两者都在 (?P<n>fp32 和 bf16) 下"),
+    Claim("p09_overlap", "norm rows of widths 40 and 1024, MLP rows of 24 and 3072", "NORM_SHAPES, MLP_SHAPES",
+          lambda m: [n for _, n in m.NORM_SHAPES.values()] + [i for _, i in m.MLP_SHAPES.values()],
+          r"rows of widths (?P<n>\d+ and \d+) for the norm and (?P<m>\d+ and \d+) for the MLP",
+          r"norm 的行宽取 (?P<n>\d+ 和 \d+)，MLP 的取 (?P<m>\d+ 和 \d+)"),
+    Claim("p09_overlap", "a greedy batch of prompts of 5, 13 and 8 tokens, 4 new tokens each", "GREEDY_RUNS",
+          lambda m: [*m.GREEDY_RUNS[m.GREEDY_LAYOUT][0], m.GREEDY_RUNS[m.GREEDY_LAYOUT][1]],
+          r"a batch of prompts of (?P<n>\d+, \d+ and \d+ tokens with \d+) new tokens each",
+          r"长度为 (?P<n>\d+、\d+、\d+ 个 token 的 prompt，各生成 \d+) 个新 token"),
+    Claim("p09_overlap", "at Qwen3-0.6B's widths one prompt of 6 tokens, 3 new tokens, blocks of 256", "GREEDY_RUNS",
+          lambda m: [m.GREEDY_RUNS[m.QWEN3][0][0], m.GREEDY_RUNS[m.QWEN3][1], m.GREEDY_RUNS[m.QWEN3][2].block_size],
+          r"one prompt of (?P<n>\d+ tokens and \d+) new tokens on blocks of (?P<m>\d+)",
+          r"一个 (?P<n>\d+ 个 token 的 prompt 生成 \d+) 个新 token，块大小 (?P<m>\d+)"),
 ]
 
 

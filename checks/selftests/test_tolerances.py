@@ -193,3 +193,31 @@ def test_moe_oracle_within_half_the_tolerance(seed, dtype, layout):
     w = moe_weights(gen, layout, dtype, norm_topk_prob=seed % 2 == 0)
     x = tokens(gen, w, 9, dtype)
     assert close_enough(hf_moe(w, x, dtype), hf_moe(w.to(torch.float64), x), half(tolerance("moe", dtype)))
+
+
+# ---- p09 fused kernels ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("seed", range(3))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_fused_oracle_within_half_the_tolerance(seed, dtype):
+    """The two roundings a fused add + norm may take, HF's decoder wiring in `dtype` (the sum rounded, then
+    normalised) and nano-vllm's (the fp32 sum normalised, the product with the weight rounded once), and
+    SwiGLU's silu(gate) * up in `dtype` (m04's two roundings), against float64 on the same inputs (the rows
+    of the p09 checks: a width of 40 and hidden 1024)."""
+    gen = torch.Generator().manual_seed(seed)
+    tol = half(tolerance("fused", dtype))
+    for width in (40, 1024):
+        x = torch.randn(5, width, generator=gen).to(dtype)
+        residual = (3 * torch.randn(5, width, generator=gen)).to(dtype)
+        weight = (1 + 0.5 * torch.randn(width, generator=gen)).to(dtype)
+        truth = hf_rms_norm(x.double() + residual.double(), weight.double(), 1e-6)
+        hf_normed, _ = hf_decoder_add_norm(x, residual, weight, 1e-6)
+        total = x.float() + residual.float()
+        fp32_sum = (total * torch.rsqrt(total.pow(2).mean(-1, keepdim=True) + 1e-6) * weight.float()).to(dtype)
+        assert close_enough(hf_normed, truth, tol) and close_enough(fp32_sum, truth, tol)
+        assert close_enough((x + residual), x.double() + residual.double(), tol)
+        gate_up = (2 * torch.randn(4, 2 * width, generator=gen)).to(dtype)
+        gate, up = gate_up.chunk(2, dim=-1)
+        exact = torch.nn.functional.silu(gate.double()) * up.double()
+        assert close_enough(torch.nn.functional.silu(gate) * up, exact, tol)

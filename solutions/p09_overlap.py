@@ -1,0 +1,359 @@
+"""P09 · An engine that hides the host: fused layer kernels, and step n+1 scheduled while step n runs.
+
+p06's engine does everything in one line of work: schedule a step, build its metadata, launch the model,
+wait for the sampled tokens, apply them, schedule the next. On a GPU a decode step of a small model takes
+a few milliseconds, and the host's part (the scheduler, the metadata, the launches, the wait) is a large
+share of that: the GPU sits idle while the host works. This module takes that time back twice.
+
+First, fewer and cheaper launches: the residual add and the RMSNorm that follows it become one Triton
+kernel (`fused_add_rms_norm`, one read of each row, the new residual written back in place), and the
+MLP's SiLU(gate) * up another (`fused_silu_mul`). Second, overlap: `OverlapLLM.step` schedules step n+1
+and launches it BEFORE it waits for step n's tokens. Step n+1's decode rows need step n's tokens as their
+inputs; the host does not have them yet, so a request's next token is a placeholder (-1 - b for row b of
+step n) that the decode step replaces on the device, reading step n's sampled tokens where they lie. The
+host learns the tokens one step late and applies them then: a request that finished at step n (its stop
+token, or its last allowed token) was scheduled once more in step n+1, and that wasted row's token is
+thrown away, never emitted. Its blocks are freed only when step n+1, which still reads them, is resolved.
+
+What is guaranteed: greedy requests and seeded requests choose as p06's synchronous engine does (a seeded
+request draws from its own generator, one draw per row it keeps, so other batches around it and its own
+wasted row change none of its draws); a request without a seed shares the engine's generator with its whole
+batch, so its draws follow the same distribution, not the same numbers. The decode step's logits may differ
+from p06's in their last bits (the fused norm normalises the unrounded fp32 sum), so only a choice between
+two nearly tied candidates can differ.
+
+Ideas from: nano-vllm (`nanovllm/layers/layernorm.py`, `activation.py`: the fused add + norm and SiLU *
+up); SGLang's overlap scheduler ("future" token ids resolved on the device) and vLLM's asynchronous
+scheduling, which both schedule step n+1 while step n runs.
+
+Names: T rows, N the normalised width (hidden), I the MLP's intermediate size, B requests in a step,
+block_size slots per cache block.
+
+Run `./check.sh p09` to check this file.
+"""
+
+from dataclasses import dataclass, field
+
+import torch
+import triton
+import triton.language as tl
+
+# Your own modules, from this folder (the stub keeps these imports for you, hence the noqa).
+from .m01_rmsnorm import add_rms_norm, rms_norm  # noqa: F401
+from .m03_rope import apply_rope, rope_cos_sin  # noqa: F401
+from .m04_qwen3_model import mlp_forward  # noqa: F401
+from .p01_block_manager import decode_metadata  # noqa: F401
+from .p02_store_kvcache import store_kvcache  # noqa: F401
+from .p04_paged_decode import paged_decode  # noqa: F401
+from .p05_scheduler import FINISHED, Request  # noqa: F401
+from .p06_engine import LLM, EngineConfig, SamplingParams, probabilities, sample  # noqa: F401
+
+# ---- the fused kernels -----------------------------------------------------------------------------------
+
+
+@triton.jit
+def _add_rms_norm_kernel(
+    x_ptr,  # [T, N] the sub-layer's output, rows stride_x apart
+    residual_ptr,  # [T, N] the residual stream: read, then overwritten with x + residual
+    weight_ptr,  # [N]
+    out_ptr,  # [T, N] the normed sum, contiguous
+    stride_x, stride_residual,
+    N,  # the row's width
+    eps,
+    BLOCK: tl.constexpr,  # the power of two >= N that tl.arange needs; lanes N.. are masked off
+):
+    """One program per row: the sum in fp32, rounded into the residual; the fp32 sum normalised."""
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < N
+    x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+    residual = tl.load(residual_ptr + row * stride_residual + cols, mask=mask, other=0.0).to(tl.float32)
+    total = x + residual  # fp32: the masked lanes are 0 and add nothing to the sum of squares below
+    tl.store(residual_ptr + row * stride_residual + cols, total.to(residual_ptr.dtype.element_ty), mask=mask)
+    variance = tl.sum(total * total, axis=0) / N
+    weight = tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    normed = total * tl.rsqrt(variance + eps) * weight  # one rounding, at the store
+    tl.store(out_ptr + row * N + cols, normed.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """m01's `add_rms_norm` in one Triton kernel, the new residual written back IN PLACE.
+
+    Args:
+        x: `[T, N]` the sub-layer's output, fp32 / bf16 / fp16, last dim contiguous. Not modified.
+        residual: `[T, N]` the residual stream, x's dtype and device, last dim contiguous. Overwritten with
+            `x + residual` (computed in fp32, rounded once to its dtype): the stream the next sub-layer adds to.
+        weight: `[N]` the norm's scale, x's dtype. Not modified.
+        eps: added to the mean of squares.
+
+    Returns:
+        `[T, N]` a new tensor in x's dtype: `weight * s / sqrt(mean(s**2) + eps)` where s is the UNROUNDED fp32
+        sum (nano-vllm's rounding; HF's decoder layer normalises the sum rounded to x's dtype: the two differ
+        by about one rounding of the sum), the product with the weight in fp32, rounded once.
+    """
+    T, N = x.shape
+    assert residual.shape == x.shape and residual.dtype == x.dtype and weight.shape == (N,)
+    assert x.stride(1) == 1 and residual.stride(1) == 1 and weight.is_contiguous()
+    out = torch.empty(T, N, dtype=x.dtype, device=x.device)
+    if T:
+        _add_rms_norm_kernel[(T,)](x, residual, weight, out, x.stride(0), residual.stride(0), N, eps,
+                                   BLOCK=triton.next_power_of_2(N))
+    return out
+
+
+@triton.jit
+def _silu_mul_kernel(
+    gate_up_ptr,  # [T, 2*I]: a row's I gate values, then its I up values
+    out_ptr,  # [T, I], contiguous
+    stride_gate_up,
+    I,  # noqa: E741 - the intermediate size, as the docs name it
+    BLOCK: tl.constexpr,  # the power of two >= I
+):
+    """One program per row: SiLU(gate) * up in fp32, rounded once."""
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < I
+    gate = tl.load(gate_up_ptr + row * stride_gate_up + cols, mask=mask, other=0.0).to(tl.float32)
+    up = tl.load(gate_up_ptr + row * stride_gate_up + I + cols, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + row * I + cols, (gate * tl.sigmoid(gate) * up).to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def fused_silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """SwiGLU's middle step in one Triton kernel: `silu(gate) * up` of m04's `mlp_forward`.
+
+    Args:
+        gate_up: `[T, 2*I]` fp32 / bf16 / fp16, last dim contiguous: each row's gate projection (columns
+            0 .. I-1) then its up projection (I .. 2I-1), as `x @ cat([gate_proj, up_proj]).T` gives. Not modified.
+
+    Returns:
+        `[T, I]` a new tensor in gate_up's dtype: `gate * sigmoid(gate) * up`, computed in fp32 and rounded
+        once (m04 rounds silu(gate) first, then the product).
+    """
+    T, two_I = gate_up.shape
+    assert two_I % 2 == 0 and gate_up.stride(1) == 1
+    inter = two_I // 2
+    out = torch.empty(T, inter, dtype=gate_up.dtype, device=gate_up.device)
+    if T:
+        _silu_mul_kernel[(T,)](gate_up, out, gate_up.stride(0), inter, BLOCK=triton.next_power_of_2(inter))
+    return out
+
+
+# ---- the overlapped engine ---------------------------------------------------------------------------------
+
+
+@dataclass(eq=False)
+class Launched:
+    """A step the engine launched and has not resolved yet (given complete).
+
+    Row b of the step is `requests[b]`; `sampled[b]` says whether it draws a token (its prompt is complete
+    after this step; a chunk's row does not); its token goes to `token_ids[positions[b]]` of its request,
+    where the placeholder `-1 - b` stands until then. `tokens` `[B]` int64 on the model's device holds the
+    sampled tokens (-1 for a row that draws none) once the device is done with the step. `free_after`:
+    requests that finished already but that this step still reads, freed when it is resolved.
+    """
+
+    requests: list
+    request_ids: list[int]
+    sampled: list[bool]
+    positions: list[int]
+    tokens: torch.Tensor
+    is_prefill: bool
+    free_after: list = field(default_factory=list)
+
+
+class OverlapLLM(LLM):
+    """p06's engine with the host one step ahead of the device (write `generate` and `step`).
+
+    The state (laid out by `__init__`): p06's, plus `in_flight`, the `Launched` step not yet resolved (None
+    when none), and `gate_up`, each layer's `cat([gate_proj, up_proj])` `[2*I, hidden]` for the fused MLP.
+    `stats` gains `waits`: the steps the engine resolved before scheduling the next one (it does so when
+    the next decode might have to preempt: a preempted request gives its blocks back at once, and a step in
+    flight must not lose blocks it reads).
+    """
+
+    def __init__(self, model, config=None) -> None:
+        super().__init__(model, config)
+        self.in_flight: Launched | None = None
+        self.gate_up = [torch.cat([layer.gate_proj, layer.up_proj]) for layer in self.model.layers]
+        self.stats["waits"] = 0
+
+    def add_request(self, prompt: list[int], sampling_params) -> Request:
+        """Queue one request (as `generate` does for each prompt) and return it; `step` serves it."""
+        p = sampling_params
+        if len(prompt) + p.max_tokens > self.config.max_model_len:
+            raise ValueError(f"a prompt of {len(prompt)} tokens and max_tokens {p.max_tokens} exceed "
+                             f"max_model_len {self.config.max_model_len}")
+        request = self.scheduler.add(self._next_id, list(prompt), p.max_tokens, p.ignore_eos)
+        self._params[request.request_id] = p
+        if p.seed is not None:
+            self._generators[request.request_id] = torch.Generator(self.generator.device).manual_seed(p.seed)
+        self._next_id += 1
+        return request
+
+    def generate(self, prompts: list[list[int]], sampling_params) -> list[list[int]]:
+        """p06's `generate` (same arguments, same outputs), stepping with the overlap; once every request
+        has finished, the last step in flight (wasted rows only) is resolved and its blocks freed."""
+        params = sampling_params if isinstance(sampling_params, (list, tuple)) else [sampling_params] * len(prompts)
+        if len(params) != len(prompts):
+            raise ValueError(f"{len(params)} sampling params for {len(prompts)} prompts")
+        for prompt, p in zip(prompts, params):  # refuse before anything is queued
+            if len(prompt) + p.max_tokens > self.config.max_model_len:
+                raise ValueError(f"a prompt of {len(prompt)} tokens and max_tokens {p.max_tokens} exceed "
+                                 f"max_model_len {self.config.max_model_len}")
+        requests = [self.add_request(prompt, p) for prompt, p in zip(prompts, params)]
+        while not self.scheduler.is_finished() or self.in_flight is not None:
+            self.step()
+        for request in requests:
+            self._params.pop(request.request_id)
+            self._generators.pop(request.request_id, None)
+        return [list(request.completion_token_ids) for request in requests]
+
+    def step(self) -> list:
+        """Schedule and launch step n+1, then resolve step n (the one in flight). Returns the requests that
+        finished in this call, their last token applied.
+
+        When the next step might preempt (fewer free blocks than the running requests could open), step n
+        is resolved first, and the next step is scheduled after it, as p06 does."""
+        finished = []
+        if self.in_flight is not None and self._may_preempt():
+            finished += self._resolve(self.in_flight, None)
+            self.in_flight = None
+            self.stats["waits"] += 1
+        running_before = {id(r) for r in self.scheduler.running}
+        requests, is_prefill = self.scheduler.schedule()
+        self.stats["preemptions"] += sum(id(r) in running_before for r in self.scheduler.waiting)
+        if not requests and self.in_flight is None and not finished:
+            raise RuntimeError("the scheduler returned an empty step while requests remain")
+        launched = self._launch(requests, is_prefill) if requests else None
+        if self.in_flight is not None:
+            finished += self._resolve(self.in_flight, launched)
+        self.in_flight = launched
+        return finished
+
+    def _may_preempt(self) -> bool:
+        manager, size = self.scheduler.block_manager, self.scheduler.block_manager.block_size
+        decoded = list(self.scheduler.running)[: self.scheduler.max_num_seqs]
+        opening = sum((len(r) - 1) % size == 0 for r in decoded)  # their next slot opens a new block
+        return opening > len(manager.free_block_ids)
+
+    def _launch(self, requests: list, is_prefill: bool) -> Launched:
+        """Run the step and draw its tokens without waiting for them; give each drawing row a placeholder."""
+        previous = self.in_flight
+        if is_prefill:
+            self.stats["prefill_steps"] += 1
+            self.stats["cached_tokens"] += sum(r.num_cached_tokens for r in requests
+                                               if r.num_computed_tokens == r.num_cached_tokens)
+            self.stats["chunked_prefills"] += any(
+                r.num_computed_tokens + r.num_scheduled_tokens < len(r) for r in requests)
+            logits = self.runner.prefill(requests)  # a prompt holds no placeholder: its tokens are on the host
+        else:
+            self.stats["decode_steps"] += 1
+            logits = self._decode(requests, None if previous is None else previous.tokens)
+        sampled = [r.num_computed_tokens + r.num_scheduled_tokens == len(r) for r in requests]
+        tokens = torch.full((len(requests),), -1, dtype=torch.int64, device=logits.device)
+        rows = [b for b, s in enumerate(sampled) if s]
+        if rows:
+            tokens[rows] = self._draw(logits[rows], [requests[b] for b in rows])
+        positions = []
+        for b, request in enumerate(requests):  # the host's part of postprocess: it needs no token
+            request.num_computed_tokens += request.num_scheduled_tokens
+            request.num_scheduled_tokens = 0
+            positions.append(len(request) if sampled[b] else -1)
+            if sampled[b]:
+                request.token_ids.append(-1 - b)  # step n's row b: read on the device by the next decode
+        return Launched(list(requests), [r.request_id for r in requests], sampled, positions, tokens, is_prefill)
+
+    def _resolve(self, step: Launched, following: Launched | None) -> list:
+        """Wait for `step`'s tokens and apply them; free what no launched step reads any more."""
+        tokens = step.tokens.tolist()  # the one synchronisation with the device
+        manager, eos = self.scheduler.block_manager, self.scheduler.eos_token_id
+        finished = []
+        for b, request in enumerate(step.requests):
+            if not step.sampled[b] or request.status == FINISHED:
+                continue  # a chunk's row, or the wasted row of a request that finished a step ago
+            token, position = tokens[b], step.positions[b]
+            request.token_ids[position] = token
+            self._reseal(request, position)
+            self.stats["tokens_out"] += 1
+            count = position + 1 - request.num_prompt_tokens
+            if (not request.ignore_eos and token == eos) or count >= request.max_tokens:
+                request.status = FINISHED
+                del request.token_ids[position + 1 :]  # the next step's placeholder: never emitted
+                self.scheduler.running.remove(request)
+                if following is not None and any(r is request for r in following.requests):
+                    following.free_after.append(request)  # the step in flight still reads its blocks
+                else:
+                    manager.free(request)
+                finished.append(request)
+        for request in step.free_after:
+            manager.free(request)
+        return finished
+
+    def _reseal(self, request, position: int) -> None:
+        """The placeholder at `position` filled its block and the manager hashed it as it was: hash it again
+        with the real token, so the prefix cache can serve it."""
+        manager = self.scheduler.block_manager
+        size, j = manager.block_size, position // manager.block_size
+        if (position + 1) % size or j >= len(request.block_table):
+            return  # not the last slot of a block, or no slot yet: nothing was hashed with the placeholder
+        block = manager.blocks[request.block_table[j]]
+        if block.hash == -1:
+            return
+        if manager.hash_to_block_id.get(block.hash) == block.block_id:
+            del manager.hash_to_block_id[block.hash]
+        prefix_hash = manager.blocks[request.block_table[j - 1]].hash if j > 0 else -1
+        tokens = request.block(j)
+        block.hash, block.token_ids = manager.hash_block(tokens, prefix_hash), list(tokens)
+        manager.hash_to_block_id[block.hash] = block.block_id
+
+    def _decode(self, requests: list, previous: torch.Tensor | None) -> torch.Tensor:
+        """One decode step, its input tokens read on the device where the host holds a placeholder."""
+        meta = decode_metadata(requests)
+        device = self.runner.k_caches.device
+        meta = meta._replace(**{name: value.to(device) for name, value in meta._asdict().items()})
+        ids = meta.input_ids  # [B]: a placeholder -1 - b stands for row b of the step before
+        if previous is not None:
+            ids = torch.where(ids < 0, previous[(-1 - ids).clamp(min=0)], ids)
+        return self._decode_logits(ids, meta.positions, meta.slot_mapping, meta.block_tables, meta.context_lens)
+
+    def _decode_logits(self, input_ids, positions, slot_mapping, block_tables, context_lens) -> torch.Tensor:
+        """The layers of a decode step with the fused kernels; the residual stream is carried, so each add
+        is fused into the norm that follows it (the last into the final norm). `[B, V]` float32."""
+        model, runner = self.model, self.runner
+        cos, sin = rope_cos_sin(positions, runner.inv_freq, model.embed_tokens.dtype)  # [B, D] each
+        hidden = model.embed_tokens[input_ids]  # [B, hidden]
+        residual = None
+        for index, layer in enumerate(model.layers):
+            B, H, KVH, D = hidden.shape[0], layer.num_heads, layer.num_kv_heads, layer.head_dim
+            if residual is None:
+                residual, normed = hidden, rms_norm(hidden, layer.input_layernorm, layer.eps)
+            else:
+                normed = fused_add_rms_norm(hidden, residual, layer.input_layernorm, layer.eps)
+            q = rms_norm((normed @ layer.q_proj.T).view(B, H, D), layer.q_norm, layer.eps)  # [B, H, D]
+            k = rms_norm((normed @ layer.k_proj.T).view(B, KVH, D), layer.k_norm, layer.eps)  # [B, KVH, D]
+            v = (normed @ layer.v_proj.T).view(B, KVH, D)
+            q, k = apply_rope(q, k, cos, sin)
+            store_kvcache(k, v, runner.k_caches[index], runner.v_caches[index], slot_mapping)
+            attended = paged_decode(q, runner.k_caches[index], runner.v_caches[index], block_tables, context_lens)
+            hidden = attended.reshape(B, -1) @ layer.o_proj.T  # [B, H*D] -> [B, hidden]
+            normed = fused_add_rms_norm(hidden, residual, layer.post_attention_layernorm, layer.eps)
+            hidden = fused_silu_mul(normed @ self.gate_up[index].T) @ layer.down_proj.T  # [B, 2I] -> [B, hidden]
+        normed = fused_add_rms_norm(hidden, residual, model.norm, model.eps)
+        return (normed @ model.embed_tokens.T).float()  # [B, V]
+
+    def _draw(self, logits: torch.Tensor, requests: list) -> torch.Tensor:
+        """p06's sampler: argmax when every row is greedy, else one exponential race per row, a seeded
+        request's noise from its own generator."""
+        params = [self._params[r.request_id] for r in requests]
+        device = logits.device
+        if all(float(p.temperature) <= 0 for p in params):
+            return logits.argmax(dim=-1)
+        temperature = torch.tensor([float(p.temperature) for p in params], device=device)
+        probs = probabilities(logits, temperature, torch.tensor([int(p.top_k) for p in params], device=device),
+                              torch.tensor([float(p.top_p) for p in params], device=device))
+        noise = torch.empty_like(probs).exponential_(generator=self.generator)  # [B, V] Exp(1)
+        for b, request in enumerate(requests):
+            own = self._generators.get(request.request_id)
+            if own is not None:
+                noise[b].exponential_(generator=own)
+        return sample(probs, noise)
