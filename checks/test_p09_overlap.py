@@ -66,6 +66,18 @@ EPS = 1e-6
 NORM_SHAPES = {"T5-N40": (5, 40), "T3-N1024": (3, 1024)}
 # (T, I): an irregular width, and Qwen3-0.6B's intermediate 3072
 MLP_SHAPES = {"T4-I24": (4, 24), "T3-I3072": (3, 3072)}
+# The rule a check stands for (RULES in checks/mutants/p09_overlap.py); the counters say theirs (stats-count-once)
+RULE_OF = {
+    "test_fused_add_rms_norm_matches_hf": "fused-add-rms-norm",
+    "test_fused_add_rms_norm_writes_the_residual_back": "fused-add-rms-norm",
+    "test_fused_silu_mul_matches_swiglu": "fused-silu-mul",
+    "test_greedy_matches_hf": "tokens-of-the-synchronous-engine",
+    "test_chunked_prefill_and_preemption_keep_the_tokens": "tokens-of-the-synchronous-engine",
+    "test_no_token_past_a_finished_request": "no-token-after-finish",
+    "test_prefix_cache_serves_generated_tokens": "prefix-cache-sees-real-tokens",
+    "test_seeded_requests_match_the_synchronous_engine": "tokens-of-the-synchronous-engine",
+    "test_blocks_outlive_the_steps_that_read_them": "blocks-outlive-their-steps",
+}
 
 
 # ---- the fused kernels -------------------------------------------------------------------------------------
@@ -272,7 +284,8 @@ def test_seeded_requests_match_the_synchronous_engine(impl, seed):
     synchronous = impl.LLM(on_device(run.w), run.config).generate([list(p) for p in prompts], list(params))
     for i in range(2):
         if run.outputs[i] != synchronous[i]:
-            raise Mismatch(f"seeded request {i} gave {run.outputs[i]} overlapped and {synchronous[i]} from your p06 LLM: "
+            raise Mismatch(f"seeded request {i} gave {run.outputs[i]} overlapped and {synchronous[i]} from your p06 "
+                           f"LLM: "
                            f"each seeded row draws from its own generator, once per token it keeps (if p06's tokens "
                            f"look wrong, ./check.sh p06)")
 

@@ -3,7 +3,7 @@
 Ids match the Pitfalls section of `exercises/p09_overlap.md`.
 """
 
-from checks.harness.mistakes import Broken, Mistake, Variant, chain, everyday_breakage, replace
+from checks.harness.mistakes import Mistake, Rule, Variant, chain, everyday_breakage, replace
 
 RESIDUAL_STORE = ("    tl.store(residual_ptr + row * stride_residual + cols, total.to(residual_ptr.dtype.element_ty), "
                   "mask=mask)\n")
@@ -105,4 +105,41 @@ VARIANTS = [
 
 BROKEN = [
     *everyday_breakage("    out = torch.empty(T, N, dtype=x.dtype, device=x.device)", "fused_add_rms_norm"),
+]
+
+# The contract's rules, in the order the parts build on each other (checks/test_p09_overlap.py: `RULE_OF`, and the
+# counters p06's checks read): where failures break several, the report names the first here.
+RULE_RANKING = "layers"
+RULES = [
+    Rule("fused-add-rms-norm",
+         "fused_add_rms_norm returns RMSNorm(x + residual) times the weight, the sum in fp32, and leaves x + residual, "
+         "rounded to its dtype, in `residual` itself",
+         "load both rows in fp32, store their sum into residual's row, normalise that fp32 sum, store the result"),
+    Rule("fused-silu-mul",
+         "fused_silu_mul gives silu(gate) * up for each row, the gate being the first half of the row and up the "
+         "second, computed in fp32 and rounded once",
+         "read columns 0 .. I-1 as the gate and I .. 2I-1 as up; return [T, I]"),
+    Rule("no-token-after-finish",
+         "a request that finished at step n emits nothing more: the token its row drew in step n+1 (launched before "
+         "the host knew) is thrown away",
+         "when a step is resolved, skip the rows of requests already finished, and cut the placeholder that follows "
+         "a request's last token"),
+    Rule("blocks-outlive-their-steps",
+         "a finished request's blocks stay held while a launched step still reads them and are freed once, when "
+         "that step is resolved; at the end every block is free",
+         "free at once only what no step in flight reads; put the rest on the in-flight step's list and free it "
+         "when that step resolves"),
+    Rule("prefix-cache-sees-real-tokens",
+         "a block filled while one of its tokens was still a placeholder is hashed again with the real token once "
+         "it arrives, so the prefix cache serves it to a later prompt",
+         "when a token is applied at the last slot of a block, recompute that block's hash from its real tokens"),
+    Rule("stats-count-once",
+         "LLM.stats counts each thing once, as p06's engine does, and `waits` the steps resolved before the next "
+         "one was scheduled (before a step that may preempt)",
+         "count in step what the step did; resolve the step in flight first, and count it, when the next decode may "
+         "open more blocks than are free"),
+    Rule("tokens-of-the-synchronous-engine",
+         "greedy and seeded requests get exactly the tokens p06's synchronous engine gives: each decode row reads "
+         "the token its own request drew in the step before, on the device, through metadata built for this step",
+         "build each step's metadata afresh from the requests; map placeholder -1 - b to row b of the step before"),
 ]
