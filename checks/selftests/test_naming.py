@@ -83,3 +83,31 @@ def test_a_sampler_row_names_the_rule_its_values_break(tmp_path):
                   "torch.where(temperature > 0, temperature, 1.0).float().sqrt()[:, None]", "-k", "exact")
     assert "→ breaks temperature-divides" in out and "temperature-divides — probabilities are the softmax" in out
     assert "looks like" not in out
+
+
+def test_a_mistake_that_explains_only_some_failing_cases_is_not_named():
+    """Named only where it gives the learner's outputs on every failing case it was replayed on."""
+    from checks.harness.report import Result, rank_mistakes
+
+    def row(check: str, mistakes: list[str], distances: dict) -> Result:
+        return Result("p07_tensor_parallel", check, "", "mine", "failed", mistakes=mistakes, distances=distances)
+
+    rows = [row("greedy", ["gather-out-of-order"], {"gather-out-of-order": 0.0, "final-norm-skipped": 0.4}),
+            row("lm head", [], {"gather-out-of-order": 0.3, "final-norm-skipped": 0.5})]
+    assert rank_mistakes(rows) == []
+    rows[1] = row("lm head", ["gather-out-of-order"], {"gather-out-of-order": 0.0, "final-norm-skipped": 0.5})
+    assert rank_mistakes(rows) == ["gather-out-of-order"]
+
+
+def test_rules_are_ranked_by_checks_or_by_layers():
+    """p05's rules: the one most checks break first; p07's (layers): the lowest function's first."""
+    from checks.harness.report import Result, rank_rules
+
+    def row(stem: str, check: str, rule: str) -> Result:
+        return Result(stem, check, "", "mine", "failed", rule=rule)
+
+    p05 = [row("p05_scheduler", c, r) for c, r in (("a", "seq-cap"), ("b", "is-finished"), ("c", "is-finished"))]
+    assert rank_rules(p05) == ["is-finished", "seq-cap"]
+    p07 = [row("p07_tensor_parallel", c, r) for c, r in (("a", "model-forward"), ("b", "model-forward"),
+                                                         ("c", "row-shard"))]
+    assert rank_rules(p07) == ["row-shard", "model-forward"]
