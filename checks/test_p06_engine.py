@@ -443,7 +443,8 @@ def nan_rows(impl, error: LearnerError, logits, temperature, top_k, top_p) -> Le
         "probabilities-by-definition"
     return LearnerError(f"{error} · alone, row {b} (temperature {float(temperature[b]):g}, top_k {k}, top_p {p:g}) "
                         f"gives NaN{' too' if len(rows) == 1 else f', and rows {rows[1:]}'}: its masks drop every "
-                        f"token (a threshold read from other values than those it is compared with?)", rule=rule)
+                        f"token (a threshold read from other values than those it is compared with?)",
+                        error.identifiable, rule=rule)  # the calls returned: a catalogued mistake may give them too
 
 
 def mask_rule(logits, temperature, top_k, top_p, got, b: int) -> str:
