@@ -293,6 +293,7 @@ class Facts:
     allocated: dict[str, int]  # got their blocks: name -> the cached tokens it started with
     chunked: set[str]  # computed part of their tokens
     completed: set[str]  # a prefill that computed all of their tokens
+    taken: set[int] = field(default_factory=set)  # blocks it took from the free list (allocations, decode slots)
     finished: set[str] = field(default_factory=set)
 
 
@@ -351,11 +352,13 @@ class Driver:
         self.before = {"waiting": self.queue("waiting"), "running": self.queue("running")}
         running_before = {r.name for r in self.model.running}
         holding = {r.name for r in self.model.waiting if r.table}
+        free_before = set(self.model.cache.free)
         expected, expected_prefill = self.model.schedule()
         self.facts = Facts(expected_prefill, {r.name for r in self.model.waiting if r.name in running_before},
                            {r.name: r.computed for r in expected if expected_prefill and r.name not in holding},
                            {r.name for r in expected if r.computed + r.scheduled < len(r.tokens)},
-                           {r.name for r in expected if expected_prefill and r.computed + r.scheduled == len(r.tokens)})
+                           {r.name for r in expected if expected_prefill and r.computed + r.scheduled == len(r.tokens)},
+                           free_before - set(self.model.cache.free))
         got = self.scheduler.schedule()
         if not isinstance(got, tuple) or len(got) != 2:
             self.fail(f"{at}: schedule() returned {self.shown(got)}, expected a (requests, is_prefill) pair")
@@ -556,7 +559,9 @@ class Driver:
                           "preempt-resets" if name in self.facts.preempted else "blocks-accounted")
             elif not seen.table and seen.computed != 0:
                 self.fail(f"{where}: waiting {name} holds no blocks but has num_computed_tokens {seen.computed}, "
-                          f"expected 0 computed tokens (its K/V is gone with its blocks)", "preempt-resets")
+                          f"expected 0 computed tokens (its K/V is gone with its blocks)",
+                          "only-the-first-is-chunked" if self.models[name].table and name not in self.facts.preempted
+                          else "preempt-resets")
         if not self.follow_model:
             return
         model = self.model
@@ -726,13 +731,21 @@ class Driver:
         return any(which(name) and self.read(self.remotes[name], "block_table", name) for name in self.queue(field))
 
     def free_rule(self, free: list[int], want: list[int]) -> str:
+        f = self.facts
         if sorted(free) != sorted(want):
-            if self.kept_blocks("waiting", lambda name: not self.models[name].table and name not in self.facts.preempted):
+            if self.kept_blocks("waiting", lambda name: not self.models[name].table and name not in f.preempted):
                 return "prefill-fills-the-step"  # blocks for a request the step did not get to: it went on too far
-            if self.facts.preempted:
+            freed = set(free) - set(want)  # free here, held in the model: by whom?
+            if not f.prefill and freed & f.taken:
+                return "decode-takes-a-slot"  # the block the model's decode step opened is still free here
+            if any(freed & set(r.table) for r in self.model.waiting if r.name not in f.preempted):
+                return "only-the-first-is-chunked"  # the request that ended the step keeps the blocks it got
+            if f.preempted:
                 return "preempt-resets"
-            if self.facts.finished:
+            if f.finished:
                 return "finished-leaves"
+        elif not f.prefill and f.taken and not f.preempted:
+            return "decode-takes-a-slot"  # the same blocks in another order: the step's take of a block went elsewhere
         return "blocks-accounted"
 
     def tokens_rule(self, name: str, got: list[int], want: list[int]) -> str:

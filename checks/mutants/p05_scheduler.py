@@ -336,7 +336,7 @@ RULES = [
          "schedule min(len(request) - request.num_computed_tokens, budget left) tokens for it"),
     Rule("only-the-first-is-chunked",
          "only the first request of a prefill step may be cut to the budget left (a chunk); a later one that does "
-         "not fit whole ends the step and leads the next one",
+         "not fit whole ends the step and leads the next one, first in waiting with the blocks it got",
          "when the batch already holds a request and this one's cost exceeds the budget left, stop the step"),
     Rule("a-chunk-stays-first",
          "a request whose tokens are not all computed after the step (a chunk) stays first in waiting with status "
