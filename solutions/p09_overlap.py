@@ -253,7 +253,7 @@ class OverlapLLM(LLM):
         tokens = torch.full((len(requests),), -1, dtype=torch.int64, device=logits.device)
         rows = [b for b, s in enumerate(sampled) if s]
         if rows:
-            tokens[rows] = self._draw(logits[rows], [requests[b] for b in rows])
+            tokens[rows] = self._sample(logits[rows], [requests[b] for b in rows])  # p06's sampler, on the device
         positions = []
         for b, request in enumerate(requests):  # the host's part of postprocess: it needs no token
             request.num_computed_tokens += request.num_scheduled_tokens
@@ -340,20 +340,3 @@ class OverlapLLM(LLM):
             hidden = fused_silu_mul(normed @ self.gate_up[index].T) @ layer.down_proj.T  # [B, 2I] -> [B, hidden]
         normed = fused_add_rms_norm(hidden, residual, model.norm, model.eps)
         return (normed @ model.embed_tokens.T).float()  # [B, V]
-
-    def _draw(self, logits: torch.Tensor, requests: list) -> torch.Tensor:
-        """p06's sampler: argmax when every row is greedy, else one exponential race per row, a seeded
-        request's noise from its own generator."""
-        params = [self._params[r.request_id] for r in requests]
-        device = logits.device
-        if all(float(p.temperature) <= 0 for p in params):
-            return logits.argmax(dim=-1)
-        temperature = torch.tensor([float(p.temperature) for p in params], device=device)
-        probs = probabilities(logits, temperature, torch.tensor([int(p.top_k) for p in params], device=device),
-                              torch.tensor([float(p.top_p) for p in params], device=device))
-        noise = torch.empty_like(probs).exponential_(generator=self.generator)  # [B, V] Exp(1)
-        for b, request in enumerate(requests):
-            own = self._generators.get(request.request_id)
-            if own is not None:
-                noise[b].exponential_(generator=own)
-        return sample(probs, noise)
