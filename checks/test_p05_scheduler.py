@@ -333,9 +333,10 @@ class Driver:
                 error.rule = "add-refuses"  # a request that fits, refused
             raise
         if refused:
+            why = "it asks for no token" if max_tokens < 1 else "it has no prompt" if not prompt else \
+                f"{count(self.limits[0], 'block')} of {self.size} tokens can never hold it"
             self.fail(f"add({name}, a prompt of {count(len(prompt), 'token')}, max_tokens {max_tokens}) was accepted, "
-                      f"but {count(self.limits[0], 'block')} of {self.size} tokens can never hold it: expected a "
-                      f"ValueError", "add-refuses")
+                      f"but {why}: expected a ValueError", "add-refuses")
         if not isinstance(remote, Remote):
             self.fail(f"add({name}, ...) returned {remote!r}, expected the Request it queued")
         self.remotes[name] = remote
@@ -662,9 +663,12 @@ class Driver:
                 return "running-in-start-order"
             if self.kept_blocks("waiting", lambda name: name in self.before["running"]) or self.leaked():
                 return "preempt-resets"  # a request sent back still holds its blocks, or they went nowhere
+            running = self.queue("running")
+            if names == wanted[: len(names)] and all(name in running for name in wanted[len(names):]):
+                return "decode-takes-the-running"  # the step stopped short: the rest still run, undecoded
             sent_back = {name for name in self.queue("waiting") if name in self.before["running"]}
-            if sent_back and not self.facts.preempted:
-                return "decode-takes-a-slot"  # it found no room where there was: its slot was counted wrong
+            if sent_back and not self.facts.preempted:  # it found no room where there was
+                return "decode-takes-a-slot"  # its slot was counted wrong
             return "preempt-the-newest" if self.facts.preempted or set(names) - set(wanted) else \
                 "decode-takes-the-running"
         if names and wanted and names[0] == wanted[0] and seen[0] != want[0]:  # the first request's count
@@ -694,6 +698,8 @@ class Driver:
             if field == "running":
                 return "running-in-start-order"
             i = next(i for i, (a, b) in enumerate(zip(got, want)) if a != b)
+            if want[i] in f.chunked:  # the model's chunk stands first; here another request is ahead of it
+                return "a-chunk-stays-first"
             return "preempted-come-back-first" if {got[i], want[i]} & f.preempted else "waiting-in-order"
         extra, missing = set(got) - set(want), set(want) - set(got)
         if field == "waiting":
@@ -1114,10 +1120,13 @@ def test_a_finished_request_gives_its_blocks_back(impl):
 
 
 def test_add_refuses_what_the_cache_cannot_hold(impl):
-    """add refuses a request the whole cache could never hold, and a scheduler with no request schedules nothing"""
+    """add refuses a request the whole cache could never hold, max_tokens 0 and an empty prompt, and a scheduler with
+    no request schedules nothing"""
     d = Driver(impl, 3, 2, 4, 16)
     d.add(0, [1, 2, 3, 4, 5, 6, 7], 1)  # 4 blocks for the prompt alone: refused
     d.add(1, [1, 2], 6)  # 2 + 6 - 1 tokens need 4 blocks: refused
+    d.add(3, [1, 2], 0)  # no token asked for: refused
+    d.add(4, [], 2)  # no prompt: refused
     got = d.scheduler.schedule()
     d.expect("what schedule() returns with no request", got, ([], False))
     d.add(2, [1, 2], 5)  # 2 + 5 - 1 = 6 tokens: 3 blocks, accepted

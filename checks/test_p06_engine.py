@@ -466,6 +466,8 @@ def mask_rule(logits, temperature, top_k, top_p, got, b: int) -> str:
                                            torch.ones(1))[0] > 0
             if p >= 1 or ((mine > 0) & ~alone).any():
                 return "top-k-keeps-ties"
+        elif (mine > 0).any() and bool((row[mine > 0] == row.max()).all()):
+            return "top-k-keeps-ties"  # top_k 0 keeps every token: this row kept only its largest logit
         return "top-p-smallest-set" if p < 1 else "probabilities-by-definition"
     if abs(float(mine.sum()) - 1) > 1e-4:
         return "renormalised"

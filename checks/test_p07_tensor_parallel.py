@@ -505,8 +505,11 @@ def test_greedy_matches_hf_generate(impl, seed):
         if not isinstance(tokens, torch.Tensor) or tokens.dtype != torch.int64 or tokens.shape != (GREEDY_TOKENS,):
             got = f"shape {list(tokens.shape)} {str(tokens.dtype).removeprefix('torch.')}" \
                 if isinstance(tokens, torch.Tensor) else f"{tokens!r:.60}"
+            counted_wrong = isinstance(tokens, torch.Tensor) and tokens.dtype == torch.int64 and tokens.dim() == 1
             raise Mismatch(f"tp_generate_greedy on rank {rank} returned {got}, expected shape [{GREEDY_TOKENS}] int64: "
-                           f"one token id per new token", "-")  # a result's form, no rule of its own
+                           f"one token id per new token",
+                           # a count of tokens is the loop's; any other form is a result's, no rule of its own
+                           "greedy-broadcasts" if counted_wrong else "-")
     # what each forward fed, read from the rows of its embedding's all_reduce (the first after a broadcast)
     hidden, P = case.w.embed_tokens.shape[1], len(case.prompt)
     for rank, made in enumerate(group.shapes):

@@ -278,6 +278,6 @@ RULES = [
          "make [KVCache() for _ in layers] on every rank and pass caches[i] to layer i"),
     Rule("greedy-broadcasts",
          "tp_generate_greedy prefills the prompt into the caches, then feeds one new token per step; rank 0's "
-         "argmax is broadcast so every rank feeds the same token",
+         "argmax is broadcast so every rank feeds the same token, and every rank returns the max_new_tokens tokens",
          "after each forward, dist.broadcast the chosen token from rank 0 and feed only it"),
 ]
