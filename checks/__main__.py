@@ -8,8 +8,8 @@
     ./check.sh book                     build the book (a page per module, with your progress) in .kvlab/book/
     ./check.sh m02 --watch              check m02 again each time you save a file in mine/
     ./check.sh doctor                   what this machine has for the kit, and what to do about the rest
-    ./check.sh p03 --bench              on a GPU: time your kernel (p03, p04, p08) or engine (p06) against the
-                                        reference and torch
+    ./check.sh p03 --bench              on a GPU: time your kernel (p03, p04, p08) or engine (p06, p09) against
+                                        the reference and torch
     ./check.sh grade DIR [MODULE ...] --gradescope results.json --junit report.xml
                                         grade a student's folder in a sandbox (instructors)
     ./check.sh autograder OUT.zip [MODULE ...]
@@ -99,7 +99,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--lang", choices=("en", "zh"), default="en", help="with --hint: English or Chinese")
     parser.add_argument("--pytest", action="store_true", help="show pytest's own output as well (for kit developers)")
     parser.add_argument("--bench", action="store_true",
-                        help="time the module (p03, p04, p06, p08) on a GPU against the reference and torch, "
+                        help="time the module (p03, p04, p06, p08, p09) on a GPU against the reference and torch, "
                              "instead of checking it")
     parser.add_argument("--watch", action="store_true",
                         help="stay running: check the module(s) again each time a file of your folder is saved")

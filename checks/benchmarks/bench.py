@@ -1,5 +1,5 @@
-"""`./check.sh p03 --bench` (and p04, p06): your kernel or engine timed on a GPU against the reference and
-torch, in one run, printed as ratios.
+"""`./check.sh p03 --bench` (and p04, p06, p08, p09): your kernel or engine timed on a GPU against the reference
+and torch, in one run, printed as ratios.
 
 The kit never imports a learner's code into its own process: each contender is timed by a subprocess,
 `python -m checks.benchmarks.bench --time MODULE --folder DIR`, which imports the folder as a package of
@@ -19,9 +19,10 @@ faster.
 - p06: `LLM.generate` of 64 prompts x 128 random tokens, 128 new tokens each (greedy, no stop token), with
   `EngineConfig()`, on Qwen3-0.6B's shapes with random bf16 weights (checks/benchmarks/engine.py); torch:
   HF's `Qwen3ForCausalLM.generate` (SDPA attention, bf16) on the same weights and prompts.
+- p09: `OverlapLLM.generate` on p06's workload, the same weights and prompts; torch: HF's `generate` as for p06.
 Kernels: the median of `triton.testing.do_bench` after one untimed call. Engines: one warm-up
-`generate`, then the wall time of one. The full benchmarks: `python -m checks.benchmarks.attention` and
-`python -m checks.benchmarks.engine`.
+`generate`, then the wall time of one. The full benchmarks: `python -m checks.benchmarks.attention`,
+`python -m checks.benchmarks.engine` and `python -m checks.benchmarks.overlap`.
 """
 
 import argparse
@@ -32,11 +33,13 @@ import subprocess
 import sys
 from pathlib import Path
 
-BENCHES = {"p03": "p03_flash_attention", "p04": "p04_paged_decode", "p06": "p06_engine", "p08": "p08_moe"}
-WHAT = {"p03": "flash_attn_varlen", "p04": "paged_decode", "p06": "LLM.generate", "p08": "moe_block / fused_moe"}
+BENCHES = {"p03": "p03_flash_attention", "p04": "p04_paged_decode", "p06": "p06_engine", "p08": "p08_moe",
+           "p09": "p09_overlap"}
+WHAT = {"p03": "flash_attn_varlen", "p04": "paged_decode", "p06": "LLM.generate", "p08": "moe_block / fused_moe",
+        "p09": "OverlapLLM.generate"}
 TORCH = {"p03": "torch SDPA (flash)", "p04": "torch SDPA decode", "p06": "HF generate (SDPA)",
-         "p08": "a loop over the experts"}
-LIMITS = {"p03": 300, "p04": 300, "p06": 600, "p08": 300}  # seconds one timing process may take
+         "p08": "a loop over the experts", "p09": "HF generate (SDPA)"}
+LIMITS = {"p03": 300, "p04": 300, "p06": 600, "p08": 300, "p09": 600}  # seconds one timing process may take
 MARK = "kvlab-bench-json: "  # the line of a timing process's output that holds its results
 DEVICE = "cuda"
 P06_PROMPTS, P06_LEN, P06_NEW, P06_SHOWN = 64, 128, 128, 16  # P06_SHOWN: first tokens compared
@@ -79,7 +82,7 @@ def bench(targets: list[str], label: str) -> int:
         theirs = mine if impl.folder.resolve() == reference else measure(module_id, reference, "solutions")
         baseline = measure(module_id, None, "torch")
         shown = f"{impl.shown_folder()}/{BENCHES[module_id]}.py"
-        printer = {"p06": print_engine, "p08": print_moe}.get(module_id, print_kernel)
+        printer = {"p06": print_engine, "p08": print_moe, "p09": print_engine}.get(module_id, print_kernel)
         printer(module_id, shown, mine, theirs, baseline)
         timed_all = isinstance(mine, dict) and all(row.get("ms", row.get("block_ms")) is not None
                                                    for row in mine["rows"])
@@ -172,8 +175,8 @@ def print_engine(module_id, shown, mine, theirs, baseline) -> None:
         rate = ms and P06_PROMPTS * P06_NEW / (ms / 1e3)
         print(f"{name:<10} | {cell(ms and ms / 1e3, '.2f'):>8} | {cell(rate, '.0f'):>9} | "
               f"{ratio(ms, a.get('ms')) if name != 'yours' else '':>11} | {same if name != 'yours' else '':>28}")
-    print("(greedy bf16 runs part at near-ties, so a few prompts may differ from HF's without a bug; "
-          "./check.sh p06 checks the tokens)")
+    print(f"(greedy bf16 runs part at near-ties, so a few prompts may differ from HF's without a bug; "
+          f"./check.sh {module_id} checks the tokens)")
 
 
 def print_moe(module_id, shown, mine, theirs, baseline) -> None:
@@ -267,6 +270,15 @@ def time_p04(module) -> list[dict]:
 
 
 def time_p06(module) -> list[dict]:
+    return time_engine(module, "LLM")
+
+
+def time_p09(module) -> list[dict]:
+    return time_engine(module, "OverlapLLM")
+
+
+def time_engine(module, engine: str) -> list[dict]:
+    """The engine class `engine` of `module` (HF's `generate` when module is None) on P06's prompts."""
     import torch
 
     from checks.benchmarks.engine import hf_generate, hf_model, random_weights, seconds
@@ -282,7 +294,7 @@ def time_p06(module) -> list[dict]:
         elapsed, out = seconds(lambda: hf_generate(model, prompts.to(device), P06_NEW))
         tokens = out.tolist()
     else:
-        llm = module.LLM(w, module.EngineConfig())
+        llm = getattr(module, engine)(w, module.EngineConfig())
         llm.generate(warmup[:8].tolist(), module.SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))
         greedy = module.SamplingParams(temperature=0.0, max_tokens=P06_NEW, ignore_eos=True)
         elapsed, tokens = seconds(lambda: llm.generate(prompts.tolist(), greedy))
@@ -307,7 +319,7 @@ def finite(ms: float) -> float | None:
     return None if ms is None or math.isnan(ms) else ms
 
 
-TIMERS = {"p03": time_p03, "p04": time_p04, "p06": time_p06, "p08": time_p08}
+TIMERS = {"p03": time_p03, "p04": time_p04, "p06": time_p06, "p08": time_p08, "p09": time_p09}
 
 
 def main() -> int:
