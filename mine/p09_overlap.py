@@ -33,6 +33,7 @@ Run `./check.sh p09` to check this file.
 """
 
 from dataclasses import dataclass, field
+from types import SimpleNamespace
 
 import torch
 import triton
@@ -105,17 +106,24 @@ class OverlapLLM(LLM):
     """p06's engine with the host one step ahead of the device (write `generate` and `step`).
 
     The state (laid out by `__init__`): p06's, plus `in_flight`, the `Launched` step not yet resolved (None
-    when none), and `gate_up`, each layer's `cat([gate_proj, up_proj])` `[2*I, hidden]` for the fused MLP.
+    when none), and `gate_up`, each layer's `cat([gate_proj, up_proj])` `[2*I, hidden]` for the fused MLP;
+    on a GPU with `cuda_graphs`, `graphs`, the recorded decode steps by batch size (p06's runner, built
+    without graphs, serves the prefills).
     `stats` gains `waits`: the steps the engine resolved before scheduling the next one (it does so when
     the next decode might have to preempt: a preempted request gives its blocks back at once, and a step in
     flight must not lose blocks it reads).
     """
 
     def __init__(self, model, config=None) -> None:
-        super().__init__(model, config)
+        config = config if config is not None else EngineConfig()
+        super().__init__(model, SimpleNamespace(**{**vars(config), "cuda_graphs": False}))  # p06's runner: eager
+        self.config = config
         self.in_flight: Launched | None = None
         self.gate_up = [torch.cat([layer.gate_proj, layer.up_proj]) for layer in self.model.layers]
         self.stats["waits"] = 0
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        if getattr(config, "cuda_graphs", True) and self.runner.k_caches.device.type == "cuda":
+            self.capture_decode_graphs(config.max_num_seqs, -(-config.max_model_len // config.block_size))
 
     def add_request(self, prompt: list[int], sampling_params) -> Request:
         """Queue one request (as `generate` does for each prompt) and return it; `step` serves it."""
@@ -142,3 +150,16 @@ class OverlapLLM(LLM):
         When the next step might preempt (fewer free blocks than the running requests could open), step n
         is resolved first, and the next step is scheduled after it, as p06 does."""
         raise NotImplementedError("OverlapLLM.step (mine/p09_overlap.py) is not written yet")
+
+    def capture_decode_graphs(self, max_num_seqs: int, max_blocks: int) -> None:
+        """Record the whole decode step, its draw included, as a CUDA graph per batch size (GPU only;
+        `__init__` calls it). p06's `ModelRunner.capture_decode_graphs` records the model; this one records
+        what `_launch` does for a decode step: the placeholders read from the step before, the layers with
+        the fused kernels, the logits, and the exponential race for rows without top-k or top-p (a greedy
+        row takes its argmax). The static inputs (`_buffers`): p06's five, plus `previous` `[max_num_seqs]`
+        (the tokens of the step before), `temperature` `[max_num_seqs]` and `noise` `[max_num_seqs, V]`
+        (Exp(1) draws, made outside the graph by the generators). Sizes as p06's, in one memory pool, each
+        run once before it is recorded. The host's inputs reach the buffers through two sets of pinned host
+        buffers (`_staging`), used in turn: a copy from pageable memory can hold the host until the device
+        reaches it, which would undo the overlap."""
+        raise NotImplementedError("OverlapLLM.capture_decode_graphs (mine/p09_overlap.py) is not written yet")

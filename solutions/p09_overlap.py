@@ -33,6 +33,7 @@ Run `./check.sh p09` to check this file.
 """
 
 from dataclasses import dataclass, field
+from types import SimpleNamespace
 
 import torch
 import triton
@@ -165,17 +166,24 @@ class OverlapLLM(LLM):
     """p06's engine with the host one step ahead of the device (write `generate` and `step`).
 
     The state (laid out by `__init__`): p06's, plus `in_flight`, the `Launched` step not yet resolved (None
-    when none), and `gate_up`, each layer's `cat([gate_proj, up_proj])` `[2*I, hidden]` for the fused MLP.
+    when none), and `gate_up`, each layer's `cat([gate_proj, up_proj])` `[2*I, hidden]` for the fused MLP;
+    on a GPU with `cuda_graphs`, `graphs`, the recorded decode steps by batch size (p06's runner, built
+    without graphs, serves the prefills).
     `stats` gains `waits`: the steps the engine resolved before scheduling the next one (it does so when
     the next decode might have to preempt: a preempted request gives its blocks back at once, and a step in
     flight must not lose blocks it reads).
     """
 
     def __init__(self, model, config=None) -> None:
-        super().__init__(model, config)
+        config = config if config is not None else EngineConfig()
+        super().__init__(model, SimpleNamespace(**{**vars(config), "cuda_graphs": False}))  # p06's runner: eager
+        self.config = config
         self.in_flight: Launched | None = None
         self.gate_up = [torch.cat([layer.gate_proj, layer.up_proj]) for layer in self.model.layers]
         self.stats["waits"] = 0
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        if getattr(config, "cuda_graphs", True) and self.runner.k_caches.device.type == "cuda":
+            self.capture_decode_graphs(config.max_num_seqs, -(-config.max_model_len // config.block_size))
 
     def add_request(self, prompt: list[int], sampling_params) -> Request:
         """Queue one request (as `generate` does for each prompt) and return it; `step` serves it."""
@@ -246,14 +254,20 @@ class OverlapLLM(LLM):
             self.stats["chunked_prefills"] += any(
                 r.num_computed_tokens + r.num_scheduled_tokens < len(r) for r in requests)
             logits = self.runner.prefill(requests)  # a prompt holds no placeholder: its tokens are on the host
+            drawn = None
         else:
             self.stats["decode_steps"] += 1
-            logits = self._decode(requests, None if previous is None else previous.tokens)
+            logits, drawn = self._decode(requests, None if previous is None else previous.tokens)
         sampled = [r.num_computed_tokens + r.num_scheduled_tokens == len(r) for r in requests]
-        tokens = torch.full((len(requests),), -1, dtype=torch.int64, device=logits.device)
         rows = [b for b, s in enumerate(sampled) if s]
-        if rows:
-            tokens[rows] = self._sample(logits[rows], [requests[b] for b in rows])  # p06's sampler, on the device
+        if drawn is None and rows:
+            drawn = self._sample(logits[rows], [requests[b] for b in rows])  # p06's sampler, on the device
+        if len(rows) == len(requests):  # every row draws (a decode step always): no index to send
+            tokens = drawn
+        else:
+            tokens = torch.full((len(requests),), -1, dtype=torch.int64, device=logits.device)
+            if rows:
+                tokens[torch.tensor(rows).to(logits.device, non_blocking=True)] = drawn
         positions = []
         for b, request in enumerate(requests):  # the host's part of postprocess: it needs no token
             request.num_computed_tokens += request.num_scheduled_tokens
@@ -306,15 +320,107 @@ class OverlapLLM(LLM):
         block.hash, block.token_ids = manager.hash_block(tokens, prefix_hash), list(tokens)
         manager.hash_to_block_id[block.hash] = block.block_id
 
-    def _decode(self, requests: list, previous: torch.Tensor | None) -> torch.Tensor:
-        """One decode step, its input tokens read on the device where the host holds a placeholder."""
+    def _decode(self, requests: list, previous: torch.Tensor | None):
+        """One decode step, its input tokens read on the device where the host holds a placeholder:
+        `(logits [B, V] float32, tokens [B] int64 or None)`. A recorded graph of some size >= B replays the
+        step with its draw (tokens); eager, or when a row asks for top-k or top-p, the caller draws."""
         meta = decode_metadata(requests)
+        B = len(requests)
+        size = next((s for s in sorted(self.graphs) if s >= B), None)
         device = self.runner.k_caches.device
-        meta = meta._replace(**{name: value.to(device) for name, value in meta._asdict().items()})
-        ids = meta.input_ids  # [B]: a placeholder -1 - b stands for row b of the step before
+        if size is None:  # eager
+            meta = meta._replace(**{name: value.to(device, non_blocking=True)
+                                    for name, value in meta._asdict().items()})
+            ids = meta.input_ids  # [B]: a placeholder -1 - b stands for row b of the step before
+            if previous is not None:
+                ids = torch.where(ids < 0, previous[(-1 - ids).clamp(min=0)], ids)
+            return self._decode_logits(ids, meta.positions, meta.slot_mapping, meta.block_tables,
+                                       meta.context_lens), None
+        buffers, width = self._buffers, meta.block_tables.shape[1]
+        params = [self._params[r.request_id] for r in requests]
+        plain = all(int(p.top_k) == 0 and float(p.top_p) >= 1 for p in params)  # the graph draws without masks
+        temperature = [float(p.temperature) for p in params]
+        # Host -> device through pinned memory: a copy from pageable memory may wait for the device to reach it,
+        # which would hold the host until step n is done. Two staging sets, used in turn: the one written now was
+        # last copied from before the step being resolved, so the device is done with it.
+        staging, self._staging = self._staging[0], self._staging[::-1]
+        inputs = {"input_ids": meta.input_ids, "positions": meta.positions, "slot_mapping": meta.slot_mapping,
+                  "context_lens": meta.context_lens, "temperature": torch.tensor(temperature)}
+        for name, value in inputs.items():
+            buffers[name][:B].copy_(staging[name][:B].copy_(value), non_blocking=True)
+        tables = staging["block_tables"][:B, :width].copy_(meta.block_tables)
+        buffers["block_tables"][:B, :width].copy_(tables, non_blocking=True)
+        buffers["slot_mapping"][B:size].fill_(-1)  # padding rows store nothing ...
+        buffers["context_lens"][B:size].zero_()  # ... and read nothing
         if previous is not None:
-            ids = torch.where(ids < 0, previous[(-1 - ids).clamp(min=0)], ids)
-        return self._decode_logits(ids, meta.positions, meta.slot_mapping, meta.block_tables, meta.context_lens)
+            buffers["previous"][: len(previous)].copy_(previous)
+        if plain and any(t > 0 for t in temperature):  # p06's draws: the shared generator's [B, V], then own rows
+            noise = buffers["noise"][:B].exponential_(generator=self.generator)
+            for b, request in enumerate(requests):
+                own = self._generators.get(request.request_id)
+                if own is not None:
+                    noise[b].exponential_(generator=own)
+        self.graphs[size].replay()
+        logits = self._graph_logits[size][:B]
+        return logits, self._graph_tokens[size][:B].clone() if plain else None  # the next replay overwrites them
+
+    def capture_decode_graphs(self, max_num_seqs: int, max_blocks: int) -> None:
+        """Record the whole decode step, its draw included, as a CUDA graph per batch size (GPU only;
+        `__init__` calls it). p06's `ModelRunner.capture_decode_graphs` records the model; this one records
+        what `_launch` does for a decode step: the placeholders read from the step before, the layers with
+        the fused kernels, the logits, and the exponential race for rows without top-k or top-p (a greedy
+        row takes its argmax). The static inputs (`_buffers`): p06's five, plus `previous` `[max_num_seqs]`
+        (the tokens of the step before), `temperature` `[max_num_seqs]` and `noise` `[max_num_seqs, V]`
+        (Exp(1) draws, made outside the graph by the generators). Sizes as p06's, in one memory pool, each
+        run once before it is recorded. The host's inputs reach the buffers through two sets of pinned host
+        buffers (`_staging`), used in turn: a copy from pageable memory can hold the host until the device
+        reaches it, which would undo the overlap."""
+        device, n = self.runner.k_caches.device, max_num_seqs
+        vocab = self.model.embed_tokens.shape[0]
+        buffers = self._buffers = {
+            "input_ids": torch.zeros(n, dtype=torch.int64, device=device),
+            "previous": torch.zeros(n, dtype=torch.int64, device=device),
+            "positions": torch.zeros(n, dtype=torch.int64, device=device),
+            "slot_mapping": torch.full((n,), -1, dtype=torch.int32, device=device),
+            "context_lens": torch.zeros(n, dtype=torch.int32, device=device),
+            "block_tables": torch.full((n, max_blocks), -1, dtype=torch.int32, device=device),
+            "temperature": torch.zeros(n, dtype=torch.float32, device=device),
+            "noise": torch.ones(n, vocab, dtype=torch.float32, device=device),
+        }
+        self._staging = [{name: torch.empty(buffers[name].shape, dtype=buffers[name].dtype).pin_memory()
+                          for name in ("input_ids", "positions", "slot_mapping", "context_lens", "block_tables",
+                                       "temperature")} for _ in range(2)]  # host copies in pinned memory, in turn
+        self._graph_logits, self._graph_tokens = {}, {}
+        sizes = sorted({s for s in (1, 2, 4, 8) if s < n} | set(range(16, n, 16)) | {n}, reverse=True)
+        num_blocks, block_size = self.runner.k_caches.shape[1:3]
+        pool = None
+        for size in sizes:  # the largest first: the smaller ones reuse its memory
+            context = max(1, min(max_blocks * block_size, (1 << 16) // size))  # keys per row in the warm-up
+            width = -(-context // block_size)
+            buffers["context_lens"][:size].fill_(context)
+            blocks = torch.arange(size * width, device=device).view(size, width) % num_blocks  # distinct per row
+            buffers["block_tables"][:size, :width] = blocks
+            self._graph_step(size)  # slots -1: compiles and tunes the kernels on real reads, stores nothing
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                self._graph_logits[size], self._graph_tokens[size] = self._graph_step(size)
+            pool = graph.pool() if pool is None else pool
+            self.graphs[size] = graph
+        buffers["context_lens"].zero_()
+        buffers["block_tables"].fill_(-1)
+        torch.cuda.synchronize()
+
+    def _graph_step(self, size: int):
+        """The recorded step on the first `size` rows of the buffers: `(logits [size, V], tokens [size])`."""
+        buffers = {name: value[:size] for name, value in self._buffers.items()}
+        ids = buffers["input_ids"]  # [size]: a placeholder -1 - b reads row b of `previous`
+        ids = torch.where(ids < 0, self._buffers["previous"][(-1 - ids).clamp(min=0)], ids)
+        logits = self._decode_logits(ids, buffers["positions"], buffers["slot_mapping"], buffers["block_tables"],
+                                     buffers["context_lens"])
+        temperature = buffers["temperature"]
+        probs = (logits / torch.where(temperature > 0, temperature, 1.0)[:, None]).softmax(dim=-1)  # [size, V]
+        tokens = torch.where(temperature > 0, sample(probs, buffers["noise"]), logits.argmax(dim=-1))
+        return logits, tokens
 
     def _decode_logits(self, input_ids, positions, slot_mapping, block_tables, context_lens) -> torch.Tensor:
         """The layers of a decode step with the fused kernels; the residual stream is carried, so each add

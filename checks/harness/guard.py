@@ -174,6 +174,12 @@ class Remote:
         return f"<{self._class_name} in the worker>"
 
 
+def snapshot_of(value, name: str, default=None):
+    """An attribute of a `Remote` as the worker sent it with the object, without asking the worker again (inside a
+    callback the worker is busy with the learner's call); `default` where it was not sent."""
+    return value._attributes.get(name, default) if isinstance(value, Remote) else default
+
+
 class ParentCodec(wire.Codec):
     def __init__(self, run: "ModuleRun"):
         super().__init__()
@@ -360,6 +366,12 @@ class Guarded:
         `grade` where the sandbox has a memory cgroup, `watch.outside`: the most its memory grew during a call,
         measured by the kernel (None elsewhere)."""
         return TensorWatch(self)
+
+    def spy(self, owner: Remote, method: str, callback, watched: Remote, attribute: str) -> None:
+        """From now on each call of `owner.method` in the worker (the learner's own calls included) first calls
+        `callback(args, value)` here, with the call's arguments and `watched.attribute` as they are at that moment
+        (learner objects as `Remote`s whose attributes were read then: read them with `snapshot_of`)."""
+        self.run.ask(("spy", owner, method, callback, watched, attribute), f"`{owner._class_name}.{method}`")
 
     def fresh_worker(self) -> None:
         """The next call runs in a new worker process, which has imported the module afresh: nothing the

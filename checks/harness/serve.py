@@ -264,6 +264,20 @@ class Worker:
             obj = self.objects.pop(handle)
             self.handles.pop(id(obj), None)
 
+    def do_spy(self, obj, method: str, callback, watched, attribute: str) -> None:
+        """Wrap `obj.method` (on the instance) so that each call first calls the check's `callback` back with the
+        call's arguments and `watched.attribute` as they are then; the method then runs as before."""
+        def attach():
+            original = getattr(obj, method)
+
+            def spied(*args, **kwargs):
+                callback(args, getattr(watched, attribute, None))
+                return original(*args, **kwargs)
+
+            setattr(obj, method, spied)
+
+        self.run(attach, f"wrapping `.{method}`")
+
     def do_getattr(self, obj, name: str) -> None:
         self.run(lambda: getattr(obj, name), f"reading `.{name}`", obj)
 

@@ -84,6 +84,16 @@ MISTAKES = [
         "the prefix cache can never serve it.",
         replace("            self._reseal(request, position)\n", ""),
     ),
+    Mistake(
+        "graph-tokens-not-copied",
+        "a decode graph's tokens kept as a view of its static output, which the next replay overwrites",
+        "A recorded graph writes its tokens into the same buffer at every replay, and the host reads step n's tokens "
+        "only after step n+1 is launched: copy them out (`.clone()`) when you launch, or step n+1 overwrites them "
+        "first and every request gets the token drawn a step later.",
+        replace("        return logits, self._graph_tokens[size][:B].clone() if plain else None",
+                "        return logits, self._graph_tokens[size][:B] if plain else None"),
+        needs="cuda",
+    ),
 ]
 
 VARIANTS = [
