@@ -360,6 +360,7 @@ class Driver:
                            {r.name for r in expected if r.computed + r.scheduled < len(r.tokens)},
                            {r.name for r in expected if expected_prefill and r.computed + r.scheduled == len(r.tokens)},
                            free_before - set(self.model.cache.free))
+        self.ever_preempted = getattr(self, "ever_preempted", set()) | self.facts.preempted
         got = self.scheduler.schedule()
         if not isinstance(got, tuple) or len(got) != 2:
             self.fail(f"{at}: schedule() returned {self.shown(got)}, expected a (requests, is_prefill) pair")
@@ -490,7 +491,8 @@ class Driver:
         idle = [name for name, n in batch if n < 1]
         if idle:
             self.fail(f"{at}: the batch {batch_text(batch)} (request and num_scheduled_tokens) schedules no token "
-                      f"for {ids(idle)}: every request in a batch computes at least 1 token", "token-budget")
+                      f"for {ids(idle)}: every request in a batch computes at least 1 token",
+                      "token-budget" if is_prefill else "one-kind-a-step")
         total = sum(n for _, n in batch)
         if is_prefill and total > self.budget:
             self.fail(f"{at}: the prefill batch {batch_text(batch)} computes {total} tokens, over "
@@ -655,9 +657,12 @@ class Driver:
 
     # -- which rule a difference from the model breaks (the state was the model's when the step began) --
     def batch_rule(self, seen: list, is_prefill: bool, want: list, want_prefill: bool) -> str:
+        names, wanted = [n for n, _ in seen], [n for n, _ in want]
+        if want_prefill and wanted[0] in self.facts.chunked and wanted[0] not in names and \
+                self.read(self.remotes[wanted[0]], "num_scheduled_tokens", wanted[0]) == want[0][1]:
+            return "token-budget"  # the first request was cut to the budget, and then left out of the batch
         if is_prefill != want_prefill:
             return "prefill-before-decode"
-        names, wanted = [n for n, _ in seen], [n for n, _ in want]
         if not is_prefill:
             if sorted(names) == sorted(wanted):
                 return "running-in-start-order"
@@ -706,8 +711,8 @@ class Driver:
             for name in sorted(missing):
                 if name in f.chunked:
                     return "a-chunk-stays-first"
-                if name in f.preempted:
-                    return "preempted-come-back-first"
+                if name in f.preempted:  # still running here: never preempted; elsewhere: not put back first
+                    return "preempt-the-newest" if name in self.queue("running") else "preempted-come-back-first"
             for name in sorted(extra):
                 if name in f.completed:
                     return "complete-prompt-runs"
@@ -724,6 +729,9 @@ class Driver:
             tokens = self.read(self.remotes[name], "token_ids", name)
             if tokens != self.models[name].tokens:
                 return self.tokens_rule(name, tokens, self.models[name].tokens)
+            prompt = self.read(self.remotes[name], "num_prompt_tokens", name)
+            if name in self.ever_preempted and prompt != self.models[name].prompt_len:
+                return "preempt-resets"  # its completion tokens were counted as prompt after the preemption
         return "finish-on-eos-or-max-tokens"
 
     def leaked(self) -> bool:
@@ -1129,7 +1137,7 @@ def test_add_refuses_what_the_cache_cannot_hold(impl):
     d.add(4, [], 2)  # no prompt: refused
     got = d.scheduler.schedule()
     d.expect("what schedule() returns with no request", got, ([], False))
-    d.add(2, [1, 2], 5)  # 2 + 5 - 1 = 6 tokens: 3 blocks, accepted
+    d.add(2, [1, 2, 3], 4)  # 3 + 4 - 1 = 6 tokens: 3 blocks (the completions share the prompt's last), accepted
     d.run_to_the_end()
 
 

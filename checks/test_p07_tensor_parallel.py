@@ -292,6 +292,9 @@ def test_column_row_and_merged_shards(impl, gen, tp):
     if tp > 1:
         expect_value_error(lambda: impl.column_shard(torch.randn(6, 4, generator=gen), 0, 4),
                            "column_shard of 6 rows over 4 ranks")
+        # the whole divides (8 rows over 2 ranks), one part does not (3): each part is sharded on its own
+        expect_value_error(lambda: impl.merged_column_shard(torch.randn(8, 4, generator=gen), [3, 5], 0, 2),
+                           "merged_column_shard of parts [3, 5] over 2 ranks")
 
 
 def expect_value_error(call, what: str) -> None:
@@ -302,7 +305,8 @@ def expect_value_error(call, what: str) -> None:
             return
         raise
     raise Mismatch(f"{what} returned a result instead of raising ValueError",
-                   "column-shard" if what.startswith("column_shard") else "shard-layer")
+                   {"column_shard": "column-shard", "merged_column_shard": "merged-shard-part-by-part"}.get(
+                       what.split(" ")[0], "shard-layer"))
 
 
 @pytest.mark.parametrize("tp", LAYER_WORLD_SIZES, ids=RANK_IDS)
@@ -417,7 +421,9 @@ def test_collectives(impl, seed):
         if body != ["all_reduce"] * (LAYER_ALL_REDUCES * L + 1) or last not in (["gather"], ["all_gather"]):
             raise Mismatch(f"one tp_model_forward call ({L} layers) made {count_words(names)} on rank {rank}: "
                            f"expected {LAYER_ALL_REDUCES * L + 1} all_reduce (the embedding, then "
-                           f"{LAYER_ALL_REDUCES} per layer) and one gather")
+                           f"{LAYER_ALL_REDUCES} per layer) and one gather",
+                           # the layers' all_reduces right, the LM head's gather missing: the model's step, not a layer's
+                           "model-forward" if names == ["all_reduce"] * (LAYER_ALL_REDUCES * L + 1) else "")
 
 
 @pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES.keys())

@@ -239,7 +239,7 @@ RULES = [
          "slice weight[:, r * n // tp : (r + 1) * n // tp] and return a copy"),
     Rule("merged-shard-part-by-part",
          "merged_column_shard shards each part of a fused matrix (part_sizes: q, k, v or gate, up) on its own and "
-         "concatenates the rank's slices in the parts' order",
+         "concatenates the rank's slices in the parts' order; a part the world size does not divide raises ValueError",
          "weight.split(part_sizes), column_shard each part, torch.cat the results"),
     Rule("shard-layer",
          "shard_layer gives each rank its q, k and v heads (part by part), its gate and up features, the o_proj and "
