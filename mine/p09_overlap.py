@@ -90,7 +90,10 @@ class Launched:
     after this step; a chunk's row does not); its token goes to `token_ids[positions[b]]` of its request,
     where the placeholder `-1 - b` stands until then. `tokens` `[B]` int64 on the model's device holds the
     sampled tokens (-1 for a row that draws none) once the device is done with the step. `free_after`:
-    requests that finished already but that this step still reads, freed when it is resolved.
+    requests that finished already but that this step still reads, freed when it is resolved. On a GPU,
+    `host_tokens` (pinned host memory) receives a copy of `tokens` queued right after the step, and `ready`
+    (a CUDA event recorded after that copy) says when it has arrived: resolving waits for this step only.
+    (`tokens.tolist()` would queue its copy behind every step launched since, the next one included.)
     """
 
     requests: list
@@ -100,6 +103,8 @@ class Launched:
     tokens: torch.Tensor
     is_prefill: bool
     free_after: list = field(default_factory=list)
+    host_tokens: torch.Tensor | None = None
+    ready: object = None
 
 
 class OverlapLLM(LLM):

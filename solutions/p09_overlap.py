@@ -150,7 +150,10 @@ class Launched:
     after this step; a chunk's row does not); its token goes to `token_ids[positions[b]]` of its request,
     where the placeholder `-1 - b` stands until then. `tokens` `[B]` int64 on the model's device holds the
     sampled tokens (-1 for a row that draws none) once the device is done with the step. `free_after`:
-    requests that finished already but that this step still reads, freed when it is resolved.
+    requests that finished already but that this step still reads, freed when it is resolved. On a GPU,
+    `host_tokens` (pinned host memory) receives a copy of `tokens` queued right after the step, and `ready`
+    (a CUDA event recorded after that copy) says when it has arrived: resolving waits for this step only.
+    (`tokens.tolist()` would queue its copy behind every step launched since, the next one included.)
     """
 
     requests: list
@@ -160,6 +163,8 @@ class Launched:
     tokens: torch.Tensor
     is_prefill: bool
     free_after: list = field(default_factory=list)
+    host_tokens: torch.Tensor | None = None
+    ready: object = None
 
 
 class OverlapLLM(LLM):
@@ -275,11 +280,21 @@ class OverlapLLM(LLM):
             positions.append(len(request) if sampled[b] else -1)
             if sampled[b]:
                 request.token_ids.append(-1 - b)  # step n's row b: read on the device by the next decode
-        return Launched(list(requests), [r.request_id for r in requests], sampled, positions, tokens, is_prefill)
+        launched = Launched(list(requests), [r.request_id for r in requests], sampled, positions, tokens, is_prefill)
+        if tokens.is_cuda:  # the copy the host waits for, queued now: behind this step, ahead of the next
+            launched.host_tokens = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
+            launched.host_tokens.copy_(tokens, non_blocking=True)
+            launched.ready = torch.cuda.Event()
+            launched.ready.record()
+        return launched
 
     def _resolve(self, step: Launched, following: Launched | None) -> list:
         """Wait for `step`'s tokens and apply them; free what no launched step reads any more."""
-        tokens = step.tokens.tolist()  # the one synchronisation with the device
+        if step.ready is not None:  # the one synchronisation with the device: this step's tokens, copied
+            step.ready.synchronize()
+            tokens = step.host_tokens.tolist()
+        else:
+            tokens = step.tokens.tolist()
         manager, eos = self.scheduler.block_manager, self.scheduler.eos_token_id
         finished = []
         for b, request in enumerate(step.requests):
