@@ -111,9 +111,10 @@ class OverlapLLM(LLM):
     """p06's engine with the host one step ahead of the device (write `generate` and `step`).
 
     The state (laid out by `__init__`): p06's, plus `in_flight`, the `Launched` step not yet resolved (None
-    when none), and `gate_up`, each layer's `cat([gate_proj, up_proj])` `[2*I, hidden]` for the fused MLP;
-    on a GPU with `cuda_graphs`, `graphs`, the recorded decode steps by batch size (p06's runner, built
-    without graphs, serves the prefills).
+    when none), `gate_up`, each layer's `cat([gate_proj, up_proj])` `[2*I, hidden]` for the fused MLP, and
+    `qkv`, each layer's `cat([q_proj, k_proj, v_proj])` `[(H + 2*KVH)*D, hidden]` for one projection; on a
+    GPU with `cuda_graphs`, `graphs`, the recorded decode steps by batch size (p06's runner, built without
+    graphs, serves the prefills).
     `stats` gains `waits`: the steps the engine resolved before scheduling the next one (it does so when
     the next decode might have to preempt: a preempted request gives its blocks back at once, and a step in
     flight must not lose blocks it reads).
@@ -125,6 +126,7 @@ class OverlapLLM(LLM):
         self.config = config
         self.in_flight: Launched | None = None
         self.gate_up = [torch.cat([layer.gate_proj, layer.up_proj]) for layer in self.model.layers]
+        self.qkv = [torch.cat([layer.q_proj, layer.k_proj, layer.v_proj]) for layer in self.model.layers]
         self.stats["waits"] = 0
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         if getattr(config, "cuda_graphs", True) and self.runner.k_caches.device.type == "cuda":

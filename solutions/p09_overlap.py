@@ -139,6 +139,64 @@ def fused_silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     return out
 
 
+@triton.jit
+def _qk_norm_rope_kernel(
+    qkv_ptr,  # [T, (H + 2*KVH) * D]: a row's q heads, then its k heads, then its v heads
+    q_norm_ptr, k_norm_ptr,  # [D] each
+    cos_ptr, sin_ptr,  # [T, D] contiguous, HF's layout (the two halves duplicated)
+    q_ptr, k_ptr, v_ptr,  # [T, H, D], [T, KVH, D], [T, KVH, D], contiguous
+    stride_qkv,
+    H, KVH,
+    eps,
+    D: tl.constexpr,
+    HALF: tl.constexpr,  # D / 2, a power of two
+):
+    """One program per (row, head): a q or k head RMS-normed with its weight and rotated, in fp32, rounded
+    once; a v head copied."""
+    row = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1)
+    lo = tl.arange(0, HALF)
+    source = qkv_ptr + row * stride_qkv + head * D
+    x1 = tl.load(source + lo).to(tl.float32)  # [HALF]: channels 0 .. D/2 - 1
+    x2 = tl.load(source + HALF + lo).to(tl.float32)  # channels D/2 .. D - 1, which turn with them
+    if head >= H + KVH:
+        target = v_ptr + (row * KVH + head - H - KVH) * D
+        tl.store(target + lo, x1.to(v_ptr.dtype.element_ty))
+        tl.store(target + HALF + lo, x2.to(v_ptr.dtype.element_ty))
+    else:
+        is_q = head < H
+        w1 = tl.where(is_q, tl.load(q_norm_ptr + lo), tl.load(k_norm_ptr + lo)).to(tl.float32)
+        w2 = tl.where(is_q, tl.load(q_norm_ptr + HALF + lo), tl.load(k_norm_ptr + HALF + lo)).to(tl.float32)
+        scale = tl.rsqrt((tl.sum(x1 * x1, axis=0) + tl.sum(x2 * x2, axis=0)) / D + eps)
+        n1, n2 = x1 * scale * w1, x2 * scale * w2
+        c1 = tl.load(cos_ptr + row * D + lo).to(tl.float32)
+        c2 = tl.load(cos_ptr + row * D + HALF + lo).to(tl.float32)
+        s1 = tl.load(sin_ptr + row * D + lo).to(tl.float32)
+        s2 = tl.load(sin_ptr + row * D + HALF + lo).to(tl.float32)
+        r1, r2 = n1 * c1 - n2 * s1, n2 * c2 + n1 * s2  # x * cos + rotate_half(x) * sin, half by half
+        if is_q:
+            target = q_ptr + (row * H + head) * D
+            tl.store(target + lo, r1.to(q_ptr.dtype.element_ty))
+            tl.store(target + HALF + lo, r2.to(q_ptr.dtype.element_ty))
+        else:
+            target = k_ptr + (row * KVH + head - H) * D
+            tl.store(target + lo, r1.to(k_ptr.dtype.element_ty))
+            tl.store(target + HALF + lo, r2.to(k_ptr.dtype.element_ty))
+
+
+def _qk_norm_rope(qkv: torch.Tensor, layer, cos: torch.Tensor, sin: torch.Tensor):
+    """`(q [T, H, D], k [T, KVH, D], v [T, KVH, D])` from one row of `qkv` per token: m04's QK-norm and m03's
+    RoPE in one kernel (fp32 inside, rounded once), v copied out. D / 2 must be a power of two."""
+    T, H, KVH, D = qkv.shape[0], layer.num_heads, layer.num_kv_heads, layer.head_dim
+    q = torch.empty(T, H, D, dtype=qkv.dtype, device=qkv.device)
+    k = torch.empty(T, KVH, D, dtype=qkv.dtype, device=qkv.device)
+    v = torch.empty(T, KVH, D, dtype=qkv.dtype, device=qkv.device)
+    if T:
+        _qk_norm_rope_kernel[(T, H + 2 * KVH)](qkv, layer.q_norm, layer.k_norm, cos, sin, q, k, v, qkv.stride(0), H,
+                                               KVH, layer.eps, D=D, HALF=D // 2)
+    return q, k, v
+
+
 # ---- the overlapped engine ---------------------------------------------------------------------------------
 
 
@@ -171,9 +229,10 @@ class OverlapLLM(LLM):
     """p06's engine with the host one step ahead of the device (write `generate` and `step`).
 
     The state (laid out by `__init__`): p06's, plus `in_flight`, the `Launched` step not yet resolved (None
-    when none), and `gate_up`, each layer's `cat([gate_proj, up_proj])` `[2*I, hidden]` for the fused MLP;
-    on a GPU with `cuda_graphs`, `graphs`, the recorded decode steps by batch size (p06's runner, built
-    without graphs, serves the prefills).
+    when none), `gate_up`, each layer's `cat([gate_proj, up_proj])` `[2*I, hidden]` for the fused MLP, and
+    `qkv`, each layer's `cat([q_proj, k_proj, v_proj])` `[(H + 2*KVH)*D, hidden]` for one projection; on a
+    GPU with `cuda_graphs`, `graphs`, the recorded decode steps by batch size (p06's runner, built without
+    graphs, serves the prefills).
     `stats` gains `waits`: the steps the engine resolved before scheduling the next one (it does so when
     the next decode might have to preempt: a preempted request gives its blocks back at once, and a step in
     flight must not lose blocks it reads).
@@ -185,6 +244,7 @@ class OverlapLLM(LLM):
         self.config = config
         self.in_flight: Launched | None = None
         self.gate_up = [torch.cat([layer.gate_proj, layer.up_proj]) for layer in self.model.layers]
+        self.qkv = [torch.cat([layer.q_proj, layer.k_proj, layer.v_proj]) for layer in self.model.layers]
         self.stats["waits"] = 0
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         if getattr(config, "cuda_graphs", True) and self.runner.k_caches.device.type == "cuda":
@@ -450,10 +510,13 @@ class OverlapLLM(LLM):
                 residual, normed = hidden, rms_norm(hidden, layer.input_layernorm, layer.eps)
             else:
                 normed = fused_add_rms_norm(hidden, residual, layer.input_layernorm, layer.eps)
-            q = rms_norm((normed @ layer.q_proj.T).view(B, H, D), layer.q_norm, layer.eps)  # [B, H, D]
-            k = rms_norm((normed @ layer.k_proj.T).view(B, KVH, D), layer.k_norm, layer.eps)  # [B, KVH, D]
-            v = (normed @ layer.v_proj.T).view(B, KVH, D)
-            q, k = apply_rope(q, k, cos, sin)
+            if (D // 2) & (D // 2 - 1) == 0:  # one projection, then one kernel for the QK-norm and RoPE
+                q, k, v = _qk_norm_rope(normed @ self.qkv[index].T, layer, cos, sin)  # [B, (H + 2*KVH)*D] -> ...
+            else:
+                q = rms_norm((normed @ layer.q_proj.T).view(B, H, D), layer.q_norm, layer.eps)  # [B, H, D]
+                k = rms_norm((normed @ layer.k_proj.T).view(B, KVH, D), layer.k_norm, layer.eps)  # [B, KVH, D]
+                v = (normed @ layer.v_proj.T).view(B, KVH, D)
+                q, k = apply_rope(q, k, cos, sin)
             store_kvcache(k, v, runner.k_caches[index], runner.v_caches[index], slot_mapping)
             attended = paged_decode(q, runner.k_caches[index], runner.v_caches[index], block_tables, context_lens)
             hidden = attended.reshape(B, -1) @ layer.o_proj.T  # [B, H*D] -> [B, hidden]
