@@ -383,8 +383,10 @@ RULES = [
          "completion tokens (its prompt not counted); postprocess returns those requests in batch order",
          "after appending the token: `token == eos and not ignore_eos or len(completion_token_ids) >= max_tokens`"),
     Rule("finished-leaves",
-         "a finished request has status FINISHED, its blocks freed and is in neither queue",
-         "in postprocess, for a finished request: set FINISHED, block_manager.free(request), running.remove"),
+         "a finished request has status FINISHED, its blocks freed and is in neither queue; postprocess handles the "
+         "batch in its order and returns the finished requests in that order",
+         "in postprocess, walking the batch in order, for a finished request: set FINISHED, "
+         "block_manager.free(request), running.remove"),
     Rule("postprocess-appends-the-token",
          "postprocess appends exactly the token sampled for each request whose tokens are all computed, and nothing "
          "else touches token_ids",
@@ -393,8 +395,9 @@ RULES = [
          "postprocess adds each request's num_scheduled_tokens to its num_computed_tokens",
          "num_computed_tokens += num_scheduled_tokens for every request of the step, chunks included"),
     Rule("scheduled-back-to-zero",
-         "postprocess sets every request's num_scheduled_tokens back to 0",
-         "reset it right after adding it to num_computed_tokens"),
+         "postprocess sets every request's num_scheduled_tokens back to 0, and a request a step leaves out keeps 0",
+         "reset it right after adding it to num_computed_tokens; set it in schedule only for a request the step "
+         "takes"),
     Rule("status-follows-queue",
          "a request in waiting has status WAITING, one in running RUNNING, a finished one FINISHED",
          "set status wherever a request changes queue: schedule (to RUNNING), preempt (WAITING), postprocess "
