@@ -382,5 +382,5 @@ def test_decode_graphs_keep_the_tokens(impl, seed):
         if graphed.outputs[i] != eager.outputs[i]:
             raise Mismatch(f"seeded request {i} gave {graphed.outputs[i]} through the decode graphs and "
                            f"{eager.outputs[i]} without them (cuda_graphs=False): a graph's draw reads the noise the "
-                           f"request's own generator made for this step, and its tokens are copied out of the graph's "
-                           f"output before the next replay overwrites them")
+                           f"request's own generator made for this step (fill the noise buffer before every replay), "
+                           f"and whatever reads the graph's tokens is queued before the next replay overwrites them")

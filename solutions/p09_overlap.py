@@ -197,6 +197,47 @@ def _qk_norm_rope(qkv: torch.Tensor, layer, cos: torch.Tensor, sin: torch.Tensor
     return q, k, v
 
 
+@triton.jit
+def _race_kernel(
+    logits_ptr,  # [B, V] fp32, rows stride_logits apart
+    noise_ptr,  # [B, V] fp32 Exp(1) draws, rows stride_noise apart
+    temperature_ptr,  # [B] fp32; 0: greedy
+    tokens_ptr,  # [B] int64
+    V, stride_logits, stride_noise,
+    BLOCK: tl.constexpr,
+):
+    """One program per row, one pass over it: the exponential race `argmax(softmax(l / t) / noise)`, taken as
+    `argmax(l / t - log(noise))` (the softmax's sum is the same for every token of the row), or the argmax of
+    the logits where t is 0; the first index wins a tie, as torch's argmax."""
+    row = tl.program_id(0).to(tl.int64)
+    t = tl.load(temperature_ptr + row)
+    greedy = t <= 0
+    scale = 1.0 / tl.where(greedy, 1.0, t)
+    best = tl.full([BLOCK], float("-inf"), tl.float32)  # each lane's best score so far, and where it was
+    at = tl.zeros([BLOCK], tl.int64)
+    for start in range(0, V, BLOCK):
+        cols = start + tl.arange(0, BLOCK)
+        mask = cols < V
+        logit = tl.load(logits_ptr + row * stride_logits + cols, mask=mask, other=float("-inf"))
+        noise = tl.load(noise_ptr + row * stride_noise + cols, mask=mask, other=1.0)
+        score = tl.where(greedy, logit, logit * scale - tl.log(noise))
+        better = mask & (score > best)  # a later column takes a lane only when strictly better
+        best = tl.where(better, score, best)
+        at = tl.where(better, cols, at)
+    top = tl.max(best, axis=0)
+    tl.store(tokens_ptr + row, tl.min(tl.where(best == top, at, V), axis=0))
+
+
+def _race(logits: torch.Tensor, noise: torch.Tensor, temperature: torch.Tensor) -> torch.Tensor:
+    """`[B]` int64: p06's draw for rows without top-k or top-p (`sample(probabilities(...), noise)`, the argmax
+    where the temperature is 0) in one kernel that reads each row once."""
+    B, V = logits.shape
+    tokens = torch.empty(B, dtype=torch.int64, device=logits.device)
+    if B:
+        _race_kernel[(B,)](logits, noise, temperature, tokens, V, logits.stride(0), noise.stride(0), BLOCK=1024)
+    return tokens
+
+
 # ---- the overlapped engine ---------------------------------------------------------------------------------
 
 
@@ -437,7 +478,9 @@ class OverlapLLM(LLM):
                     noise[b].exponential_(generator=own)
         self.graphs[size].replay()
         logits = self._graph_logits[size][:B]
-        return logits, self._graph_tokens[size][:B].clone() if plain else None  # the next replay overwrites them
+        # (`tokens` may stay a view of the graph's output: the copies that read it, the host's and the next step's
+        # `previous`, are queued before the next replay writes it again)
+        return logits, self._graph_tokens[size][:B] if plain else None
 
     def capture_decode_graphs(self, max_num_seqs: int, max_blocks: int) -> None:
         """Record the whole decode step, its draw included, as a CUDA graph per batch size (GPU only;
@@ -492,10 +535,7 @@ class OverlapLLM(LLM):
         ids = torch.where(ids < 0, self._buffers["previous"][(-1 - ids).clamp(min=0)], ids)
         logits = self._decode_logits(ids, buffers["positions"], buffers["slot_mapping"], buffers["block_tables"],
                                      buffers["context_lens"])
-        temperature = buffers["temperature"]
-        probs = (logits / torch.where(temperature > 0, temperature, 1.0)[:, None]).softmax(dim=-1)  # [size, V]
-        tokens = torch.where(temperature > 0, sample(probs, buffers["noise"]), logits.argmax(dim=-1))
-        return logits, tokens
+        return logits, _race(logits, buffers["noise"], buffers["temperature"])
 
     def _decode_logits(self, input_ids, positions, slot_mapping, block_tables, context_lens) -> torch.Tensor:
         """The layers of a decode step with the fused kernels; the residual stream is carried, so each add

@@ -339,9 +339,21 @@ def report(summary: dict, total: float) -> None:
         speedup = q["tokens_per_s"] / p["tokens_per_s"]
         cap = (f"; with decode steps that took no time at all, p09's prefill steps alone would cap p09 / p06 at "
                f"{p['elapsed'] / q['prefill']:.2f}x") if q["prefill"] > 0 else ""
+        decode = []
+        if f is not None and p["floor"] is not None:
+            decode.append(f"decode steps: p06 {p['floor']['wall']:.2f} s, p09 {f['time']:.2f} s "
+                          f"({p['floor']['wall'] / f['time']:.2f}x), p09 at {f['ratio']:.2f} of their floor")
+            if q["fixed"] is not None:
+                size, cost = q["fixed"]
+                attention, reads = f["top_busy"] - cost, f["top_floor"] - f["weights_floor"]
+                decode.append(f"at batch {f['top']}: of p09's {f['top_step'] * 1e3:.2f} ms step, the attention's reads "
+                              f"of the K/V take {attention * 1e3:.2f} ms against their floor of {reads * 1e3:.2f} ms "
+                              f"(the attention kernel at {reads / attention:.2f} of its floor) and the rest of the "
+                              f"recorded step {cost * 1e3:.2f} ms (the weights' floor {f['weights_floor'] * 1e3:.2f} "
+                              f"ms): {'the attention' if attention > cost else 'the rest'} takes the larger share")
         target(f"(b) p09 / p06 >= {TARGET_P06:.0f}", speedup >= TARGET_P06, f"{speedup:.2f}x",
                f"p09: prefill steps {q['prefill']:.2f} s of {q['elapsed']:.2f} s ({q['prefill'] / q['elapsed']:.0%}); "
-               f"p06: {p['prefill']:.2f} s of {p['elapsed']:.2f} s outside its decode steps{cap}")
+               f"p06: {p['prefill']:.2f} s of {p['elapsed']:.2f} s outside its decode steps{cap}", *decode)
     if b is not None and f is None:
         print("targets (b) decode floor / time and host time not hidden: not measured (no decode step was timed)")
     elif b is not None:

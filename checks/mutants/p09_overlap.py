@@ -85,13 +85,12 @@ MISTAKES = [
         replace("            self._reseal(request, position)\n", ""),
     ),
     Mistake(
-        "graph-tokens-not-copied",
-        "a decode graph's tokens kept as a view of its static output, which the next replay overwrites",
-        "A recorded graph writes its tokens into the same buffer at every replay, and the host reads step n's tokens "
-        "only after step n+1 is launched: copy them out (`.clone()`) when you launch, or step n+1 overwrites them "
-        "first and every request gets the token drawn a step later.",
-        replace("        return logits, self._graph_tokens[size][:B].clone() if plain else None",
-                "        return logits, self._graph_tokens[size][:B] if plain else None"),
+        "graph-noise-not-drawn",
+        "the graph's noise buffer not refilled before a replay, so every step reuses the noise it already holds",
+        "A recorded graph reads its noise from a static buffer: fill it before every replay that samples (the "
+        "batch's rows from the engine's generator, then each seeded row from its own), or every step draws with "
+        "the same noise (at first all ones: the argmax) and seeded requests lose their own draws.",
+        replace("        if plain and any(t > 0 for t in temperature):", "        if False:"),
         needs="cuda",
     ),
 ]
