@@ -524,6 +524,13 @@ class Driver:
             if name in live:
                 self.fail(f"{where}: {name} has finished but is still in {'waiting' if name in waiting else 'running'}",
                           "finished-leaves")
+        model_live = {r.name: q for q in ("waiting", "running") for r in getattr(self.model, q)}
+        for name, queue in model_live.items():  # a request the model still serves, lost from both queues here
+            if name not in live and name not in finished and name in self.before["waiting"] + self.before["running"]:
+                self.fail(f"{where}: {name} is in neither waiting nor running, but it has not finished (expected in "
+                          f"{queue}): a step puts every request it takes back in a queue",
+                          "running-in-start-order" if name in self.before["running"] and queue == "running"
+                          else "preempted-come-back-first" if name in self.facts.preempted else "waiting-in-order")
         owners: dict[int, list[tuple[str, int]]] = {}
         for name, seen in live.items():
             for j, block in enumerate(seen.table):
@@ -684,6 +691,8 @@ class Driver:
                 "decode-takes-the-running"
         if names and wanted and names[0] == wanted[0] and seen[0] != want[0]:  # the first request's count
             first, cached = names[0], self.facts.allocated.get(names[0], 0)
+            if first in self.facts.chunked and want[0][1] == self.budget and seen[0][1] < want[0][1]:
+                return "token-budget"  # cut to less than the whole budget, which the model's chunk takes
             tokens, table = self.request(first).tokens, self.request(first).table
             if len(table) > -(-len(tokens) // self.size):
                 return "blocks-accounted"  # more blocks than its tokens need: it was given blocks twice

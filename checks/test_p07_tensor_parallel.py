@@ -292,6 +292,19 @@ def test_column_row_and_merged_shards(impl, gen, tp):
     if tp > 1:
         expect_value_error(lambda: impl.column_shard(torch.randn(6, 4, generator=gen), 0, 4),
                            "column_shard of 6 rows over 4 ranks")
+        expect_value_error(lambda: impl.row_shard(torch.randn(4, 6, generator=gen), 0, 4),
+                           "row_shard of 6 columns over 4 ranks")
+        odd_rows = torch.randn(5, 8, generator=gen)  # rows the world does not divide: row_shard splits the columns
+        try:
+            got = impl.row_shard(odd_rows.clone(), 1, 4)
+        except LearnerError as error:
+            if "raised ValueError" not in str(error):
+                raise
+            raise Mismatch("row_shard of a [5, 8] weight over 4 ranks raised ValueError: it splits the columns, so "
+                           "only they must divide (the 5 rows stay whole)", "row-shard") from None
+        if not isinstance(got, torch.Tensor) or not torch.equal(got, columns_of(odd_rows, 1, 4)):
+            raise Mismatch("row_shard of a [5, 8] weight, rank 1 of 4: expected its columns 2..3 of every row",
+                           "row-shard")
         # the whole divides (8 rows over 2 ranks), one part does not (3): each part is sharded on its own
         expect_value_error(lambda: impl.merged_column_shard(torch.randn(8, 4, generator=gen), [3, 5], 0, 2),
                            "merged_column_shard of parts [3, 5] over 2 ranks")
@@ -305,7 +318,8 @@ def expect_value_error(call, what: str) -> None:
             return
         raise
     raise Mismatch(f"{what} returned a result instead of raising ValueError",
-                   {"column_shard": "column-shard", "merged_column_shard": "merged-shard-part-by-part"}.get(
+                   {"column_shard": "column-shard", "row_shard": "row-shard",
+                    "merged_column_shard": "merged-shard-part-by-part"}.get(
                        what.split(" ")[0], "shard-layer"))
 
 

@@ -235,7 +235,8 @@ RULES = [
          "and raises ValueError when tp does not divide the rows",
          "slice weight[r * n // tp : (r + 1) * n // tp] after checking n % tp == 0, and return a copy"),
     Rule("row-shard",
-         "row_shard gives rank r the columns [r * n / tp, (r + 1) * n / tp) of the weight, as a tensor of its own",
+         "row_shard gives rank r the columns [r * n / tp, (r + 1) * n / tp) of the weight, as a tensor of its own; "
+         "it raises ValueError when tp does not divide the columns n (the rows stay whole, whatever their number)",
          "slice weight[:, r * n // tp : (r + 1) * n // tp] and return a copy"),
     Rule("merged-shard-part-by-part",
          "merged_column_shard shards each part of a fused matrix (part_sizes: q, k, v or gate, up) on its own and "
