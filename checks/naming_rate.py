@@ -36,7 +36,7 @@ MISTAKES = KIT / "checks" / "selftests" / "independent"
 FIELDS = set(Result.__dataclass_fields__)
 # what a failing case's reason says when the cause is plain without a catalogue (the report's own wording)
 CAUSES = re.compile(r"returned one of its inputs|raised |did not return within|: shape \[|returned shape |returned a |"
-                    r"expected \w+ \(the input.s dtype\)|was killed by")
+                    r"expected \w+ \(the input.s dtype\)|was killed by|changed its input")
 
 
 def guesses() -> dict[str, str]:
