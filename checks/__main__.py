@@ -343,6 +343,13 @@ def run(selected, args, impls: list[str] | None = None, extra: list[str] = (), r
               f"{'; --json marks the run incomplete' if args.json else ''}", file=sys.stderr)
         leave(128 + signum)
 
+    unraisable = sys.unraisablehook
+
+    def quiet(lost) -> None:  # our KeyboardInterrupt, lost in a finalizer: stop_anyway ends the run, unprinted
+        if not (stopped_by and isinstance(lost.exc_value, KeyboardInterrupt)):
+            unraisable(lost)
+
+    sys.unraisablehook = quiet
     previous = signal.signal(signal.SIGTERM, interrupted)
     previous_int = signal.signal(signal.SIGINT, interrupted)
     RAN.append(True)  # from here on, an interruption is this function's to report (and --json its to write)
@@ -361,6 +368,7 @@ def run(selected, args, impls: list[str] | None = None, extra: list[str] = (), r
         returned.append(True)
         signal.signal(signal.SIGTERM, previous)
         signal.signal(signal.SIGINT, previous_int)
+        sys.unraisablehook = unraisable
         if own_server:
             from checks.conftest import KEPT
 
