@@ -77,7 +77,8 @@ class Scheduler:
     def add(self, request_id: int, prompt_ids, max_tokens: int, ignore_eos: bool = False) -> Request:
         """Queue a new request on the right of `waiting` and return it. A request that could not fit
         the whole cache alone (its prompt and every completion token but the last need a slot) is
-        refused with a ValueError: it would be preempted forever."""
+        refused with a ValueError: it would be preempted forever. So is an empty prompt, or
+        `max_tokens` below 1 (a request that asks for no token)."""
         request = Request(request_id, prompt_ids, self.block_manager.block_size, max_tokens, ignore_eos)
         block_size = self.block_manager.block_size
         needed = (request.num_prompt_tokens + max_tokens - 1 + block_size - 1) // block_size

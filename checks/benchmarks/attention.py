@@ -24,7 +24,6 @@ Targets: p03 at least SDPA-flash's TFLOP/s at seqlen >= 4k; p04 at least 0.75 of
 """
 
 import argparse
-import os
 import sys
 
 import torch
@@ -41,15 +40,11 @@ def main() -> int:
     parser.add_argument("--impl", default="solutions", help="solutions (default), mine, or a folder")
     parser.add_argument("--only", choices=("p03", "p04"), help="run one module's half")
     args = parser.parse_args()
-    if not torch.cuda.is_available():
-        print("attention benchmark: no CUDA GPU here (torch.cuda.is_available() is False). It measures compiled "
-              "kernels, so it needs a GPU; on a CPU, ./check.sh p03 p04 checks the kernels in Triton's interpreter.",
-              file=sys.stderr)
-        return 2
-    if os.environ.get("TRITON_INTERPRET") == "1":
-        print("attention benchmark: TRITON_INTERPRET=1 is set, so the kernels would run in the interpreter; unset it "
-              "to measure the compiled kernels.", file=sys.stderr)
-        return 2
+    from checks.benchmarks.engine import compiled_gpu_refusal
+
+    refused = compiled_gpu_refusal("attention benchmark", "./check.sh p03 p04 checks the kernels", no_gpu_code=2)
+    if refused is not None:
+        return refused
     import triton
     from triton.testing import do_bench
 

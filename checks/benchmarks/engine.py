@@ -51,6 +51,20 @@ C_LENGTHS, C_NEW = (5, 37, 128, 300), 32
 LAYERS = {"compile_layers": False}  # --compile-layers
 
 
+def compiled_gpu_refusal(what: str, instead: str, no_gpu_code: int = 0) -> int | None:
+    """None where a CUDA GPU runs compiled kernels; else the exit code, after saying why: no GPU (`instead`
+    says what checks the code on a CPU) or TRITON_INTERPRET=1 set."""
+    if not torch.cuda.is_available():
+        print(f"{what}: needs a CUDA GPU (torch.cuda.is_available() is False here); on a CPU, {instead} in Triton's "
+              f"interpreter.", file=sys.stderr if no_gpu_code else sys.stdout)
+        return no_gpu_code
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        print(f"{what}: TRITON_INTERPRET=1 is set, so the kernels would run in the interpreter; unset it to measure "
+              f"the compiled kernels.", file=sys.stderr)
+        return 2
+    return None
+
+
 def engine_config(engine, **limits):
     """The engine's `EngineConfig` with these limits, and `compile_layers` as the command line asks."""
     return engine.EngineConfig(**limits, **({"compile_layers": True} if LAYERS["compile_layers"] else {}))
@@ -65,14 +79,9 @@ def main() -> int:
                              "torch.compile (the engine's runs only; the first build compiles)")
     args = parser.parse_args()
     LAYERS["compile_layers"] = args.compile_layers
-    if not torch.cuda.is_available():
-        print("engine benchmark: needs a CUDA GPU (torch.cuda.is_available() is False here); on a CPU, "
-              "./check.sh p06 checks the engine in Triton's interpreter.")
-        return 0
-    if os.environ.get("TRITON_INTERPRET") == "1":
-        print("engine benchmark: TRITON_INTERPRET=1 is set, so the kernels would run in the interpreter; unset it "
-              "to measure the compiled kernels.", file=sys.stderr)
-        return 2
+    refused = compiled_gpu_refusal("engine benchmark", "./check.sh p06 checks the engine")
+    if refused is not None:
+        return refused
     import transformers
     import triton
 

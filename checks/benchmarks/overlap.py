@@ -24,7 +24,6 @@ drawn on the GPU. Every engine runs with CUDA graphs, after a small warm-up `gen
 """
 
 import argparse
-import os
 import statistics
 import sys
 import time
@@ -40,6 +39,7 @@ from checks.benchmarks.engine import (
     B_MIN,
     B_REQUESTS,
     DecodeSteps,
+    compiled_gpu_refusal,
     copy_bandwidth,
     engine_config,
     fixed_cost,
@@ -65,14 +65,9 @@ def main() -> int:
     parser.add_argument("--impl", default="solutions", help="solutions (default), mine, or a folder")
     parser.add_argument("--only", choices=("a", "b"), action="append", help="run only these parts")
     args = parser.parse_args()
-    if not torch.cuda.is_available():
-        print("overlap benchmark: needs a CUDA GPU (torch.cuda.is_available() is False here); on a CPU, "
-              "./check.sh p09 checks the overlapped engine in Triton's interpreter.")
-        return 0
-    if os.environ.get("TRITON_INTERPRET") == "1":
-        print("overlap benchmark: TRITON_INTERPRET=1 is set, so the kernels would run in the interpreter; unset it "
-              "to measure the compiled kernels.", file=sys.stderr)
-        return 2
+    refused = compiled_gpu_refusal("overlap benchmark", "./check.sh p09 checks the overlapped engine")
+    if refused is not None:
+        return refused
     import triton
 
     from checks.harness.loader import named
