@@ -20,6 +20,7 @@
                                         (./check.sh run --help)
 """
 
+import _thread
 import argparse
 import json
 import os
@@ -345,8 +346,12 @@ def run(selected, args, impls: list[str] | None = None, extra: list[str] = (), r
 
     unraisable = sys.unraisablehook
 
-    def quiet(lost) -> None:  # our KeyboardInterrupt, lost in a finalizer: stop_anyway ends the run, unprinted
-        if not (stopped_by and isinstance(lost.exc_value, KeyboardInterrupt)):
+    def quiet(lost) -> None:
+        """Our KeyboardInterrupt, raised inside a finalizer, is dropped there: deliver it again, unprinted, once
+        the finalizer is over (stop_anyway still ends a run that hangs)."""
+        if stopped_by and isinstance(lost.exc_value, KeyboardInterrupt):  # from another thread, a moment later
+            threading.Timer(0.05, _thread.interrupt_main, args=(signal.SIGINT,)).start()
+        else:
             unraisable(lost)
 
     sys.unraisablehook = quiet
