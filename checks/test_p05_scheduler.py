@@ -394,6 +394,7 @@ class Driver:
         tokens = self.tokens_for(names, sampled)
         if tokens:
             self.history[-1] += f" sampled {ids(map(str, tokens))}"
+        self.scheduled_tables = {name: self.read(r, "block_table", name) for name, r in zip(names, batch)}
         finished = self.scheduler.postprocess(batch, tokens)
         if not isinstance(finished, list | tuple):
             self.fail(f"{at}: postprocess returned {self.shown(finished)}, expected the list of finished requests")
@@ -490,7 +491,12 @@ class Driver:
         if strays:
             self.fail(f"{at}: the decode batch {batch_text(batch)} holds {ids(strays)}, which {were} not "
                       f"running: a step is prefill or decode, never both", "one-kind-a-step")
-        if len({name for name, _ in batch}) != len(batch):
+        twice = [name for j, (name, _) in enumerate(batch) if name in {other for other, _ in batch[:j]}]
+        if twice and is_prefill and twice[0] in self.facts.completed:  # taken whole, yet still first in waiting
+            self.fail(f"{at}: {twice[0]} is twice in the batch {batch_text(batch)}: its scheduled tokens complete it, "
+                      f"so it leaves waiting for running in the step that takes it, and the loop goes on to the "
+                      f"next request", "complete-prompt-runs")
+        if twice:
             self.fail(f"{at}: a request is twice in the batch {batch_text(batch)}", "one-kind-a-step")
         if len(batch) > self.max_num_seqs:
             self.fail(f"{at}: {len(batch)} requests in the batch {batch_text(batch)}, over max_num_seqs "
@@ -525,6 +531,12 @@ class Driver:
             if name in live:
                 self.fail(f"{where}: {name} has finished but is still in {'waiting' if name in waiting else 'running'}",
                           "finished-leaves")
+        for name, seen in live.items():  # postprocess gives no slot: the token's slot comes with the next decode
+            table = getattr(self, "scheduled_tables", {}).get(name)
+            if table is not None and seen.table != table:
+                self.fail(f"{where}: postprocess changed {name}'s block_table from {table} to {seen.table}: it only "
+                          f"appends the sampled token to token_ids, and the next decode step gives that token its "
+                          f"slot", "postprocess-appends-the-token")
         model_live = {r.name: q for q in ("waiting", "running") for r in getattr(self.model, q)}
         for name, queue in model_live.items():  # a request the model still serves, lost from both queues here
             if name not in live and name not in finished and name in self.before["waiting"] + self.before["running"]:
@@ -934,12 +946,12 @@ def test_the_token_budget_is_never_exceeded(impl):
 def test_max_num_seqs_caps_every_step(impl):
     """no step, prefill or decode, holds more than max_num_seqs requests"""
     d = Driver(impl, 10, 2, 2, 16)
-    for i in range(3):
+    for i in range(4):  # four that fit the budget: a cap one off and no cap at all take different batches
         d.add(i, [i + 1], 2)
     names, _, _ = d.step()  # prefill: only A and B, 2 seats
     d.expect("step 1: the batch", names, ["A", "B"])
-    d.step()  # prefill [C 1]
-    names, _, _ = d.step()  # decode: A and B again, C waits its turn in running
+    d.step()  # prefill [C 1, D 1]
+    names, _, _ = d.step()  # decode: A and B again, C and D wait their turn in running
     d.expect("step 3: the batch", names, ["A", "B"])
     d.run_to_the_end()
 

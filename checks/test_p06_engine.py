@@ -696,9 +696,16 @@ def test_generate_refuses_a_request_longer_than_max_model_len(impl, seed):
                                f"16), {counted(queued, 'request')} stayed in its scheduler: check every prompt before "
                                f"queueing any", rule="refuses-over-max-model-len") from None
         return
+    try:  # one token over, or any number over: which limit the code holds
+        llm.generate([list(prompt)], [Params(max_tokens=8)])
+        also = "a prompt of 10 with max_tokens 8 is served too: count max_tokens with the prompt"
+    except LearnerError as error:
+        if "raised ValueError" not in str(error):
+            raise
+        also = "it refuses max_tokens 8: the last token counts too, prompt + max_tokens must not pass max_model_len"
     raise Mismatch("LLM.generate served a prompt of 10 tokens with max_tokens 7 under max_model_len 16 (after one of "
                    "4 tokens): 17 tokens would not fit, so it must raise ValueError before serving anything (the "
-                   "prompt alone fits)")
+                   f"prompt alone fits); {also}", "refuses-over-max-model-len")
 
 
 GRAPH_PROMPTS = (5, 9, 7)  # three requests decode together: the graph of 4 rows replays with one padding row

@@ -388,9 +388,10 @@ RULES = [
          "in postprocess, walking the batch in order, for a finished request: set FINISHED, "
          "block_manager.free(request), running.remove"),
     Rule("postprocess-appends-the-token",
-         "postprocess appends exactly the token sampled for each request whose tokens are all computed, and nothing "
-         "else touches token_ids",
-         "append int(token) once, after num_computed_tokens has grown by the step"),
+         "postprocess appends exactly the token sampled for each request whose tokens are all computed, to its "
+         "token_ids only (its slot comes with the next decode step), and nothing else touches token_ids",
+         "request.token_ids.append(int(token)) once (not through the block manager), after num_computed_tokens has "
+         "grown by the step"),
     Rule("computed-grows-by-the-step",
          "postprocess adds each request's num_scheduled_tokens to its num_computed_tokens",
          "num_computed_tokens += num_scheduled_tokens for every request of the step, chunks included"),
