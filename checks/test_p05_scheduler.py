@@ -395,6 +395,15 @@ class Driver:
         if tokens:
             self.history[-1] += f" sampled {ids(map(str, tokens))}"
         self.scheduled_tables = {name: self.read(r, "block_table", name) for name, r in zip(names, batch)}
+        for name, r in zip(names, batch):  # schedule leaves token_ids as they were: a decode takes the last one
+            mine = self.models[name].tokens  # off for its slot and puts it back
+            if self.follow_model and name in {m.name for m in expected} and self.read(r, "token_ids", name) != mine:
+                self.fail(f"{at}: after schedule (before postprocess), {name}'s token_ids is "
+                          f"{differing(self.read(r, 'token_ids', name), mine)}: "
+                          + ("a decode step takes the LAST token (the one sampled last) off token_ids, gives it its "
+                             "slot and puts it back, so token_ids come out as they went in" if not is_prefill else
+                             "a prefill step leaves token_ids as they are"),
+                          "decode-takes-a-slot" if not is_prefill else "postprocess-appends-the-token")
         finished = self.scheduler.postprocess(batch, tokens)
         if not isinstance(finished, list | tuple):
             self.fail(f"{at}: postprocess returned {self.shown(finished)}, expected the list of finished requests")
@@ -543,6 +552,7 @@ class Driver:
                 self.fail(f"{where}: {name} is in neither waiting nor running, but it has not finished (expected in "
                           f"{queue}): a step puts every request it takes back in a queue",
                           "running-in-start-order" if name in self.before["running"] and queue == "running"
+                          else "complete-prompt-runs" if name in self.facts.completed and queue == "running"
                           else "preempted-come-back-first" if name in self.facts.preempted else "waiting-in-order")
         owners: dict[int, list[tuple[str, int]]] = {}
         for name, seen in live.items():
@@ -1090,6 +1100,16 @@ def test_preempted_requests_come_back_first_and_are_recomputed(impl):
     d.step()  # B again: its first block [3, b1] is still cached: 2 computed, it costs 2
     d.expect_batch(6, [("B", 2)])
     d.run_to_the_end()
+    # preempt resets its fields whatever the request's state: here one the step has just scheduled (an engine
+    # that gives up a step preempts its requests before postprocess)
+    d = Driver(impl, 4, 2, 4, 16)
+    d.add(0, [1, 2, 3], 2)
+    batch, _ = d.scheduler.schedule()  # prefill [A 3]
+    d.scheduler.preempt(batch[0])
+    scheduled = d.read(d.remotes["A"], "num_scheduled_tokens", "A")
+    if scheduled != 0:
+        d.fail(f"preempt(A), called after schedule() gave A 3 tokens, left A's num_scheduled_tokens {scheduled}, "
+               f"expected 0: preempt resets it with num_computed_tokens and the status", "preempt-resets")
 
 
 def test_a_preempted_request_is_recomputed_in_chunks_with_its_completion_tokens(impl):

@@ -421,6 +421,13 @@ def test_probabilities_masks_are_exact(impl, gen):
         wrong = ((got.double() - expected).abs() > 1e-5).any(-1).nonzero().flatten().tolist()
         raise Mismatch(str(failure), mask_rule(logits, temperature, top_k, top_p, got, wrong[0]) if wrong else "") \
             from None
+    half = logits.bfloat16()  # logits of any float dtype: the distribution is float32 all the same
+    got = impl.probabilities(half.clone(), temperature.clone(), top_k.clone(), top_p.clone())
+    if got.dtype != torch.float32:
+        raise Mismatch(f"probabilities of bfloat16 logits returned {got.dtype}, expected torch.float32: compute the "
+                       f"distribution in float32 whatever the logits' dtype", "probabilities-by-definition")
+    expect_close(got, expected_probabilities(half.float(), temperature, top_k, top_p).float(),
+                 tolerance("sampler", torch.float32), "the probabilities of the same logits in bfloat16")
 
 
 def nan_rows(impl, error: LearnerError, logits, temperature, top_k, top_p) -> LearnerError:
@@ -672,6 +679,16 @@ def test_generate_refuses_a_request_longer_than_max_model_len(impl, seed):
     and serves one that fills it exactly"""
     gen = torch.Generator().manual_seed(seed)
     prompt = random_prompts(gen, SHAPES[ONE_HEAD][0], (10,))[0]
+    try:  # the token budget bounds a step, not a request: a longer prompt is prefilled in chunks
+        impl.LLM(on_device(weights(seed, ONE_HEAD)), Config(max_model_len=16, max_num_batched_tokens=8)).generate(
+            [list(prompt)], [Params(max_tokens=2)])
+    except LearnerError as error:
+        if "raised ValueError" not in str(error):
+            raise
+        raise LearnerError(f"{error} · LLM.generate refused a prompt of 10 tokens with max_tokens 2 under "
+                           "max_model_len 16 and a token budget of 8: the budget bounds one step (a longer prompt "
+                           "is prefilled in chunks), max_model_len bounds the request",
+                           rule="refuses-over-max-model-len") from None
     llm = impl.LLM(on_device(weights(seed, ONE_HEAD)), Config(max_model_len=16))
     try:
         served = llm.generate([list(prompt)], [Params(max_tokens=6)])
@@ -807,18 +824,31 @@ def test_seeded_requests_do_not_depend_on_the_batch(request, impl, seed):
               [Params(temperature=HOT, max_tokens=HOT_TOKENS, seed=0)], Config())  # 0 is a seed too
     mixed = Run(hot.w, prompts[2:3] + prompts[1:2], [Params(max_tokens=HOT_TOKENS)] + hot.params, Config())
 
+    def draws_or_logits() -> tuple[str, str]:
+        """When the batch changes a seeded request's tokens, is it the draws or the logits? Greedy, the same
+        prompts must give the same tokens alone and in the batch: if not, the runner computes them wrongly."""
+        greedy = [Params(max_tokens=mine.max_tokens)]
+        one = engine(impl, Run(alone.w, alone.prompts, greedy, Config()))
+        many = engine(impl, Run(alone.w, batch.prompts, greedy * len(batch.prompts), batch.config))
+        if many.outputs[0] == one.outputs[0] == many.outputs[3]:
+            return "", "seeded-own-generator"
+        return (f"; greedy, they give {one.outputs[0]} alone and {many.outputs[0]}, {many.outputs[3]} in that batch: "
+                f"the runner computes them wrongly there (chunks, prefix-cache hits)", "runner-computes-the-model")
+
     def scenario(impl):
         engine(impl, alone)
         impl.fresh_worker()  # the runs compared come from two workers: the lone run's tokens cannot be replayed
         engine(impl, batch)
         if batch.outputs[0] != alone.outputs[0]:
+            greedy, rule = draws_or_logits()
             raise Mismatch(f"the seeded request gave {alone.outputs[0]} alone and {batch.outputs[0]} in a batch "
                            f"whose budget of 4 chunks its prompt: its draws must come from its own generator, "
-                           f"one per token it keeps")
+                           f"one per token it keeps{greedy}", rule)
         if batch.outputs[3] != alone.outputs[0]:
+            greedy, rule = draws_or_logits()
             raise Mismatch(f"two requests with the same prompt and the same seed gave {batch.outputs[0]} and "
                            f"{batch.outputs[3]} in one batch, {alone.outputs[0]} alone: each request with a seed draws "
-                           f"from a generator of its own, even when another has the same seed")
+                           f"from a generator of its own, even when another has the same seed{greedy}", rule)
         engine(impl, hot)
         tokens = hot.outputs[0]
         engine(impl, mixed)
