@@ -338,7 +338,7 @@ class Driver:
             self.fail(f"add({name}, a prompt of {count(len(prompt), 'token')}, max_tokens {max_tokens}) was accepted, "
                       f"but {why}: expected a ValueError", "add-refuses")
         if not isinstance(remote, Remote):
-            self.fail(f"add({name}, ...) returned {remote!r}, expected the Request it queued")
+            self.fail(f"add({name}, ...) returned {remote!r}, not a Request: return the Request it queued", "-")
         self.remotes[name] = remote
         self.names[id(remote)] = name
         self.models[name] = self.model.add(request_id, prompt, max_tokens, ignore_eos)
@@ -363,14 +363,14 @@ class Driver:
         self.ever_preempted = getattr(self, "ever_preempted", set()) | self.facts.preempted
         got = self.scheduler.schedule()
         if not isinstance(got, tuple) or len(got) != 2:
-            self.fail(f"{at}: schedule() returned {self.shown(got)}, expected a (requests, is_prefill) pair")
+            self.fail(f"{at}: schedule() returned {self.shown(got)}, expected a (requests, is_prefill) pair", "-")
         batch, is_prefill = got
         if not isinstance(batch, list | tuple):
-            self.fail(f"{at}: schedule() returned {self.shown(batch)} as its requests, expected a list")
+            self.fail(f"{at}: schedule() returned {self.shown(batch)} as its requests, expected a list", "-")
         names = [self.name_of(r, f"{at}: schedule()'s batch") for r in batch]
         seen = [(name, self.read(r, "num_scheduled_tokens", name)) for name, r in zip(names, batch)]
         if type(is_prefill) is not bool:
-            self.fail(f"{at}: schedule()'s is_prefill is {is_prefill!r}, expected a bool")
+            self.fail(f"{at}: schedule()'s is_prefill is {is_prefill!r}, expected a bool", "-")
         kind = "prefill" if is_prefill else "decode"
         self.history.append(f"step {k}: {kind} {batch_text(seen)}")
         self.last_batch = seen
@@ -406,7 +406,7 @@ class Driver:
                           "decode-takes-a-slot" if not is_prefill else "postprocess-appends-the-token")
         finished = self.scheduler.postprocess(batch, tokens)
         if not isinstance(finished, list | tuple):
-            self.fail(f"{at}: postprocess returned {self.shown(finished)}, expected the list of finished requests")
+            self.fail(f"{at}: postprocess returned {self.shown(finished)}, expected the list of finished requests", "-")
         finished_names = [self.name_of(r, f"{at}: postprocess's finished requests") for r in finished]
         expected_finished = [r.name for r in self.model.postprocess(expected, tokens)]
         self.facts.finished = set(expected_finished)
@@ -440,7 +440,7 @@ class Driver:
     def name_of(self, remote, where: str) -> str:
         name = self.names.get(id(remote)) if isinstance(remote, Remote) else None
         if name is None:
-            self.fail(f"{where} holds {self.shown(remote)}, which is not one of the requests add() returned")
+            self.fail(f"{where} holds {self.shown(remote)}, which is not one of the requests add() returned", "-")
         return name
 
     def read(self, remote, field: str, name: str):
@@ -452,10 +452,10 @@ class Driver:
             raise LearnerError(f"reading {name}'s `{field}` raised {type(error).__name__}: {error}") from None
         if field in ("token_ids", "block_table"):
             if not isinstance(value, list | tuple):
-                self.fail(f"{name}'s {field} is {self.shown(value)}, expected a list")
+                self.fail(f"{name}'s {field} is {self.shown(value)}, expected a list", "-")
             return list(value)
         if field in ("num_scheduled_tokens", "num_computed_tokens") and type(value) is not int:
-            self.fail(f"{name}'s {field} is {self.shown(value)}, expected an int")
+            self.fail(f"{name}'s {field} is {self.shown(value)}, expected an int", "-")
         return value
 
     def queue(self, field: str) -> list[str]:

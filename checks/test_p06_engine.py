@@ -371,16 +371,16 @@ SAMPLER_VOCAB = 40  # tokens in a sampler row: more than any row's top-k keeps, 
 
 
 def sampler_case(gen: torch.Generator):
-    """Rows over 40 tokens: greedy, plain, top-k (with a tie at the k-th value), top-p, both, a tiny p, and a
-    row whose most likely tokens sum to exactly p."""
+    """Rows over 40 tokens: greedy, plain, top-k (with a tie at the k-th value), top-p, both, a tiny p, a row
+    whose most likely tokens sum to exactly p, and a top-k past the vocabulary."""
     V = SAMPLER_VOCAB
     logits = torch.randn(8, V, generator=gen) * 2
     logits[2, :3] = logits[2].max() + 1  # a three-way tie for the lead
     logits[3, 5] = logits[3, 6] = logits[3].sort(descending=True).values[3]  # ties at the 4th value
-    logits = torch.cat([logits, exactly_p_row(gen, V)[None]])
-    temperature = torch.tensor([0.0, 1.0, 0.7, 1.3, 0.9, 1.0, 0.5, 2.0, 1.0])
-    top_k = torch.tensor([0, 0, 2, 4, 0, 6, 0, 1, 0])
-    top_p = torch.tensor([1.0, 1.0, 1.0, 1.0, 0.8, 0.6, 0.05, 1.0, EXACTLY_P])
+    logits = torch.cat([logits, exactly_p_row(gen, V)[None], torch.randn(1, V, generator=gen) * 2])
+    temperature = torch.tensor([0.0, 1.0, 0.7, 1.3, 0.9, 1.0, 0.5, 2.0, 1.0, 1.0])
+    top_k = torch.tensor([0, 0, 2, 4, 0, 6, 0, 1, 0, V + 8])  # the last: a k past the vocabulary keeps every token
+    top_p = torch.tensor([1.0, 1.0, 1.0, 1.0, 0.8, 0.6, 0.05, 1.0, EXACTLY_P, 1.0])
     return logits, temperature, top_k, top_p
 
 
@@ -465,8 +465,9 @@ def mask_rule(logits, temperature, top_k, top_p, got, b: int) -> str:
     both = ((mine > 0) & (want > 0)).nonzero().flatten()
     if len(both) >= 2:  # two kept tokens stand in the ratio exp((l_i - l_j) / t), renormalised or not
         ratios = mine[both].log() - mine[both[0]].log()
-        if not torch.allclose(ratios, (row[both] - row[both[0]]) / t, atol=1e-3):
-            return "temperature-divides"
+        if not torch.allclose(ratios, (row[both] - row[both[0]]) / t, atol=1e-3):  # a row that is not even a
+            # distribution was not made from its own logits alone (a softmax over the batch)
+            return "probabilities-by-definition" if abs(float(mine.sum()) - 1) > 1e-4 else "temperature-divides"
     if ((mine > 0) != (want > 0)).any():
         if k > 0:  # which tokens top-k alone keeps: a row that keeps others broke top-k, else top-p
             alone = expected_probabilities(logits[b : b + 1], temperature[b : b + 1], top_k[b : b + 1],

@@ -63,7 +63,7 @@ class SamplingParams:
     """How one request is sampled (given complete). The engine reads these attributes from any object.
 
     `temperature` 0 is greedy (the argmax); otherwise the logits are divided by it. `top_k` > 0 keeps
-    the tokens whose logit is at least the k-th largest (ties at the k-th value all stay; 0: all). `top_p` < 1 keeps the fewest most likely tokens whose
+    the tokens whose logit is at least the k-th largest (ties at the k-th value all stay; 0, or k >= V: all). `top_p` < 1 keeps the fewest most likely tokens whose
     probabilities reach p. `max_tokens` completion tokens at most; the request also stops at the
     engine's `eos_token_id` unless `ignore_eos`. `seed`: a request with a seed draws from its own
     generator, so its tokens do not depend on what else is in the batch.
@@ -112,7 +112,7 @@ def probabilities(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.
         logits: `[B, V]`, any float dtype. Not modified.
         temperature: `[B]` float; 0 means greedy.
         top_k: `[B]` int; 0 keeps every token, k > 0 keeps the tokens whose logit is at least the k-th
-            largest (ties at that value are kept).
+            largest (ties at that value are kept; k >= V keeps every token).
         top_p: `[B]` float in (0, 1]; keeps, in order of probability, every token whose predecessors'
             probabilities sum to less than p (so the kept set's sum first reaches p), computed on the
             distribution after top-k. 1 keeps every token.
