@@ -10,9 +10,9 @@ sorts the outcome into:
 - named: rejected, and the report names known mistakes (listed in the report's ranking order);
 - rule: rejected, the report names no known mistake but the contract's rule the code breaks (the catalogue's
   RULES), listed as `rule:<id>` in the report's ranking order;
-- cause: rejected, the report names neither, and every failing case gives a cause that needs no catalogue (a value
-  returned as a view of an input, an exception, a time-out, a dtype or shape): the right outcome where the
-  guess column says `(cause)`;
+- cause: rejected, the report names neither, and a failing case gives a cause that needs no catalogue (a value
+  returned as a view of an input, an exception, a time-out, a dtype or shape; the other failing cases, if any, say
+  what differs and name nothing): the right outcome where the guess column says `(cause)`;
 - unnamed: rejected, but the report names none.
 
 Per module it prints how many were rejected, how many of those were named, and how many were named
@@ -38,7 +38,7 @@ MISTAKES = KIT / "checks" / "selftests" / "independent"
 FIELDS = set(Result.__dataclass_fields__)
 # what a failing case's reason says when the cause is plain without a catalogue (the report's own wording)
 CAUSES = re.compile(r"returned one of its inputs|raised |did not return within|: shape \[|returned shape |returned a |"
-                    r"expected \w+ \(the input.s dtype\)|was killed by|changed its input|not a Request|"
+                    r"returned \w+, expected \w+ \(|was killed by|changed its input|not a Request|"
                     r"expected a (list|bool|\(requests, is_prefill\) pair)|expected an int|expected the list of finished|"
                     r"not one of the requests add\(\) returned")
 
@@ -82,7 +82,7 @@ def judge(mistake: Path) -> tuple[str, list[str], str]:
     rules = [f"rule:{rule}" for rule in rank_rules(results)]
     if rules:
         return "rule", rules, stem
-    if all(CAUSES.search(r["reason"]) for r in rows if r["status"] == "failed"):
+    if any(CAUSES.search(r["reason"]) for r in rows if r["status"] == "failed"):
         return "cause", ["(cause)"], stem
     return "unnamed", [], stem
 

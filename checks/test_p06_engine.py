@@ -448,10 +448,23 @@ def nan_rows(impl, error: LearnerError, logits, temperature, top_k, top_p) -> Le
     k, p = int(top_k[b]), float(top_p[b])
     rule = "top-k-keeps-ties" if k > 0 and p >= 1 else "top-p-smallest-set" if p < 1 and k == 0 else \
         "probabilities-by-definition"
+    if rule == "top-k-keeps-ties" and top_p_drops_all(impl, logits[b], temperature[b]):
+        rule = "top-p-smallest-set"  # the row's top_p of 1 is what dropped its tokens, not its top_k
     return LearnerError(f"{error} · alone, row {b} (temperature {float(temperature[b]):g}, top_k {k}, top_p {p:g}) "
                         f"gives NaN{' too' if len(rows) == 1 else f', and rows {rows[1:]}'}: its masks drop every "
                         f"token (a threshold read from other values than those it is compared with?)",
                         error.identifiable, rule=rule)  # the calls returned: a catalogued mistake may give them too
+
+
+def top_p_drops_all(impl, row, temperature) -> bool:
+    """Whether `probabilities` drops every token of `row` with top_k 0 and top_p 1 (kept whole by definition)
+    once the masks run: beside a twin row with top_p 0.5, which makes them run."""
+    try:
+        got = impl.probabilities(torch.stack([row, row]), temperature.repeat(2), torch.zeros(2, dtype=torch.int64),
+                                 torch.tensor([1.0, 0.5]))
+    except LearnerError as error:
+        return "NaN" in str(error)
+    return not bool((got[0] > 0).all())
 
 
 def mask_rule(logits, temperature, top_k, top_p, got, b: int) -> str:

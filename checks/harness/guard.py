@@ -612,7 +612,7 @@ def contract_problem(result, expected) -> str | None:
     if tuple(result.shape) != expected.shape:
         return f"returned shape {list(result.shape)}, expected {list(expected.shape)} = {expected.shape_text}"
     if result.dtype != expected.dtype:
-        return f"returned {dtype_name(result.dtype)}, expected {dtype_name(expected.dtype)} (the input's dtype)"
+        return f"returned {dtype_name(result.dtype)}, expected {dtype_name(expected.dtype)} ({expected.shape_text})"
     if result.device != expected.device:
         return f"returned a tensor on {result.device}, expected {expected.device}"
     if result.is_floating_point():

@@ -593,8 +593,8 @@ class Session:
                     self.notes.append(("collective", reply[1], "enter"))
                     answer = self.on_collective(reply[1], reply[2], deadline) if self.on_collective else \
                         ("collective-error", "no other rank to meet: this worker is not one of several ranks")
-                    codec = self.codec_for(self)
-                    wire.send(self.sock, (codec.encode(answer), codec.storages))
+                    answering = self.codec_for(self)  # not `codec`: the call's storages are read after it by that
+                    wire.send(self.sock, (answering.encode(answer), answering.storages))
                     self.notes.append(("collective", reply[1], "done"))
                     continue
                 if reply[0] != "callback":

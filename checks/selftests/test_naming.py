@@ -32,6 +32,17 @@ def test_a_shard_returned_as_a_view_names_no_mistake_and_says_why(tmp_path):
     assert "looks like" not in out and "matches a known mistake" not in out
 
 
+def test_an_input_changed_in_place_by_a_call_that_makes_collectives_is_said_on_its_rank(tmp_path):
+    """A rank's call that adds into its input while it meets the other ranks in all_reduces: the input changed in
+    place is the reason given (the collectives' replies must not hide which of the call's inputs were written)."""
+    out = checked(tmp_path, "p07_tensor_parallel",
+                  "    normed, hidden = add_rms_norm(attended, hidden, w.post_attention_layernorm, w.eps)\n",
+                  "    hidden += attended\n    normed = rms_norm(hidden, w.post_attention_layernorm, w.eps)\n",
+                  "-k", "test_layer_matches_hf")
+    assert "rank 0: `tp_decoder_layer` changed its input `hidden` in place" in out
+    assert "index out of range" not in out
+
+
 def test_a_top_k_that_drops_ties_is_named_as_such_not_as_top_p(tmp_path):
     """torch.topk's k positions, written as a learner would: on the toy's tied row it gives what a top-p that
     drops its crossing token gives too, and on the other check it keeps another of the tied tokens than the
