@@ -39,8 +39,8 @@ FIELDS = set(Result.__dataclass_fields__)
 # what a failing case's reason says when the cause is plain without a catalogue (the report's own wording)
 CAUSES = re.compile(r"returned one of its inputs|raised |did not return within|: shape \[|returned shape |returned a |"
                     r"returned \w+, expected \w+ \(|was killed by|changed its input|not a Request|"
-                    r"expected a (list|bool|\(requests, is_prefill\) pair)|expected an int|expected the list of finished|"
-                    r"not one of the requests add\(\) returned")
+                    r"expected a (list|bool|\(requests, is_prefill\) pair)|expected an int|"
+                    r"expected the list of finished|not one of the requests add\(\) returned")
 
 
 def guesses() -> dict[str, list[str]]:
