@@ -769,6 +769,11 @@ class Driver:
         """Finished otherwise than the model: from tokens that already differ, or by the stop rules."""
         if sorted(got) == sorted(want):
             return "finished-leaves"  # the same requests, in another order than the batch's
+        batch = [name for name, _ in self.last_batch]
+        after = batch[batch.index(got[-1]) + 1 :] if got and got[-1] in batch else []
+        if after and all(self.read(self.remotes[name], "num_computed_tokens", name) != self.models[name].computed
+                         for name in after):  # postprocess stopped at a finished request: the rest went untouched
+            return "finished-leaves"
         for name in sorted(set(got) ^ set(want)):
             tokens = self.read(self.remotes[name], "token_ids", name)
             if tokens != self.models[name].tokens:

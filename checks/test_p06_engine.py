@@ -705,7 +705,7 @@ def test_generate_refuses_a_request_longer_than_max_model_len(impl, seed):
                            rule="refuses-over-max-model-len") from None
     llm = impl.LLM(on_device(weights(seed, ONE_HEAD)), Config(max_model_len=16))
     try:
-        served = llm.generate([list(prompt)], [Params(max_tokens=6)])
+        served = llm.generate([list(prompt)], Params(max_tokens=6))  # one object for all: any with its attributes
     except LearnerError as error:
         if "raised ValueError" not in str(error):
             raise

@@ -383,8 +383,8 @@ RULES = [
          "completion tokens (its prompt not counted); postprocess returns those requests in batch order",
          "after appending the token: `token == eos and not ignore_eos or len(completion_token_ids) >= max_tokens`"),
     Rule("finished-leaves",
-         "a finished request has status FINISHED, its blocks freed and is in neither queue; postprocess handles the "
-         "batch in its order and returns the finished requests in that order",
+         "a finished request has status FINISHED, its blocks freed and is in neither queue; postprocess handles "
+         "every request of the batch, in its order, and returns the finished ones in that order",
          "in postprocess, walking the batch in order, for a finished request: set FINISHED, "
          "block_manager.free(request), running.remove"),
     Rule("postprocess-appends-the-token",
