@@ -1018,10 +1018,10 @@ def test_only_the_first_request_of_a_step_is_chunked(impl):
 
 def test_a_chunk_advances_computed_tokens_and_discards_its_token(impl):
     """after a chunk num_computed_tokens grows by the chunk and the token sampled after it is not appended"""
-    d = Driver(impl, 8, 4, 4, 3)
+    d = Driver(impl, 8, 4, 4, 3, eos_token_id=50)
     prompt = [1, 2, 3, 4, 5, 6, 7]
     d.add(0, prompt, 2)
-    d.step([50])  # prefill [A 3]: 50 is thrown away
+    d.step([50])  # prefill [A 3]: 50 is thrown away, and though it is the stop token A does not stop
     seen = d.request("A")
     d.expect("after step 1: A's token_ids", seen.tokens, prompt, why="the token sampled after a chunk is discarded")
     d.expect("after step 1: A's num_computed_tokens", seen.computed, 3, "computed token")

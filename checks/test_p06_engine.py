@@ -523,6 +523,7 @@ def test_greedy_matches_hf(request, impl, seed, layout):
     lengths, new_tokens, config = GREEDY_RUNS[layout]
     greedy_against_hf(request, impl, seed, layout, lengths, Params(max_tokens=new_tokens), config, "greedy batch",
                       ("prefill_steps", lambda n: n == 1, f"1: the {counted(len(lengths), 'prompt')} fit one step"),
+                      ("chunked_prefills", lambda n: n == 0, "0: that step leaves no prompt incomplete"),
                       ("decode_steps", lambda n: n == new_tokens - 1,
                        f"{new_tokens - 1}: one per step that decodes, whatever its batch ({new_tokens} tokens each, "
                        "the first from the prefill)"))
