@@ -353,6 +353,7 @@ class Driver:
         self.before = {"waiting": self.queue("waiting"), "running": self.queue("running")}
         running_before = {r.name for r in self.model.running}
         holding = {r.name for r in self.model.waiting if r.table}
+        self.holding = holding  # waiting requests that hold their blocks already (a chunk, a later request)
         free_before = set(self.model.cache.free)
         expected, expected_prefill = self.model.schedule()
         self.facts = Facts(expected_prefill, {r.name for r in self.model.waiting if r.name in running_before},
@@ -575,6 +576,11 @@ class Driver:
         for block, holders in owners.items():
             prefixes = {(j, tuple(live[name].tokens[: (j + 1) * self.size])) for name, j in holders}
             full = all(len(live[name].tokens) >= (j + 1) * self.size for name, j in holders)
+            twice = len({name for name, _ in holders}) < len(holders)
+            if twice and {name for name, _ in holders} & self.holding:
+                self.fail(f"{where}: block {block} is held twice by {ids(name for name, _ in holders)}: a request "
+                          f"that holds its blocks already (a chunk) is not allocated again, and keeps its progress",
+                          "cached-prefix-is-computed")
             if len(holders) > 1 and (len(prefixes) > 1 or not full):
                 self.fail(f"{where}: block {block} is shared by {ids(name for name, _ in holders)}, which do not have "
                           f"the same full prefix up to its end", "blocks-accounted")
@@ -598,8 +604,12 @@ class Driver:
                 need = -(-len(seen.tokens) // self.size)
                 self.fail(f"{where}: waiting {name} has {count(len(seen.tokens), 'token')} in "
                           f"{count(len(seen.table), 'block')} {seen.table}, expected {count(need, 'block')} of "
-                          f"{self.size} tokens (a slot for every token, allocated before its prefill)",
-                          "preempt-resets" if name in self.facts.preempted else "blocks-accounted")
+                          f"{self.size} tokens (a slot for every token, allocated before its prefill)"
+                          + (": it held its blocks before this step and was given more, as if allocated again"
+                             if name in self.holding and len(seen.table) > need else ""),
+                          "preempt-resets" if name in self.facts.preempted else
+                          "cached-prefix-is-computed" if name in self.holding and len(seen.table) > need else
+                          "blocks-accounted")
             elif not seen.table and seen.computed != 0:
                 self.fail(f"{where}: waiting {name} holds no blocks but has num_computed_tokens {seen.computed}, "
                           f"expected 0 computed tokens (its K/V is gone with its blocks)",
@@ -721,8 +731,9 @@ class Driver:
             if first in self.facts.chunked and want[0][1] == self.budget and seen[0][1] < want[0][1]:
                 return "token-budget"  # cut to less than the whole budget, which the model's chunk takes
             tokens, table = self.request(first).tokens, self.request(first).table
-            if len(table) > -(-len(tokens) // self.size):
-                return "blocks-accounted"  # more blocks than its tokens need: it was given blocks twice
+            if len(table) > -(-len(tokens) // self.size):  # more blocks than its tokens need: given blocks twice;
+                # allocated again although it held its blocks (a chunk): its progress is set again too
+                return "cached-prefix-is-computed" if first in self.holding else "blocks-accounted"
             if cached and seen[0][1] == want[0][1] + cached:
                 return "cached-prefix-is-computed"
             if first not in self.facts.allocated and \

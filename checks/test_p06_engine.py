@@ -185,6 +185,12 @@ def engine(impl, run: Run) -> Run:
     for i, (out, p) in enumerate(zip(outputs, run.params)):
         if not isinstance(out, list) or not all(type(t) is int for t in out):
             raise Mismatch(f"outputs[{i}] is {type(out).__name__} {str(out)[:40]}, expected a list of ints", "generate-returns-completions")
+        vocab = run.w.embed_tokens.shape[0]
+        outside = [t for t in out if not 0 <= t < vocab]
+        if outside:
+            raise Mismatch(f"outputs[{i}] holds {outside[0]}, which is no token id (the vocabulary has {vocab}): every "
+                           f"token a request keeps is drawn for it, in the step that completes its tokens",
+                           "generate-returns-completions")
         stopped = run.config.eos_token_id >= 0 and not p.ignore_eos and out and out[-1] == run.config.eos_token_id
         if len(out) > p.max_tokens or (len(out) < p.max_tokens and not stopped):
             raise Mismatch(f"request {i} has {counted(len(out), 'token')}, expected {counted(p.max_tokens, 'token')} "

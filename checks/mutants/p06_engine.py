@@ -359,7 +359,7 @@ RULES = [
          "compare len(prompt) + max_tokens > max_model_len for every request before adding any"),
     Rule("generate-returns-completions",
          "generate returns one list per prompt, in the prompts' order: that request's completion tokens (its stop "
-         "token included), never its prompt",
+         "token included), each drawn for it in the step that completed its tokens, never its prompt",
          "keep the requests in a list as you add them and return list(request.completion_token_ids) for each"),
     Rule("ranks-agree",
          "with tensor_parallel_size > 1 the engine gives the tokens of one rank: every rank runs the same steps "
