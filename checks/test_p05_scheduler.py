@@ -314,6 +314,8 @@ class Driver:
         self.done: set[str] = set()
         self.step_number = 0
         self.history: list[str] = []
+        self.holding: set[str] = set()  # waiting requests that held their blocks when the step began
+        self.scheduled_tables: dict[str, list[int]] = {}  # the batch's block tables between schedule and postprocess
         self.last_batch: list[tuple[str, int]] = []
         self.before: dict[str, list[str]] = {"waiting": [], "running": []}  # the queues when the step began
         self.title = ""  # "scenario '...', " for a toy
@@ -353,7 +355,7 @@ class Driver:
         self.before = {"waiting": self.queue("waiting"), "running": self.queue("running")}
         running_before = {r.name for r in self.model.running}
         holding = {r.name for r in self.model.waiting if r.table}
-        self.holding = holding  # waiting requests that hold their blocks already (a chunk, a later request)
+        self.holding = holding
         free_before = set(self.model.cache.free)
         expected, expected_prefill = self.model.schedule()
         self.facts = Facts(expected_prefill, {r.name for r in self.model.waiting if r.name in running_before},
@@ -396,11 +398,14 @@ class Driver:
         if tokens:
             self.history[-1] += f" sampled {ids(map(str, tokens))}"
         self.scheduled_tables = {name: self.read(r, "block_table", name) for name, r in zip(names, batch)}
+        taken_by_model = {m.name for m in expected}
         for name, r in zip(names, batch):  # schedule leaves token_ids as they were: a decode takes the last one
-            mine = self.models[name].tokens  # off for its slot and puts it back
-            if self.follow_model and name in {m.name for m in expected} and self.read(r, "token_ids", name) != mine:
+            if not self.follow_model or name not in taken_by_model:  # off for its slot and puts it back
+                continue
+            mine, got_tokens = self.models[name].tokens, self.read(r, "token_ids", name)
+            if got_tokens != mine:
                 self.fail(f"{at}: after schedule (before postprocess), {name}'s token_ids is "
-                          f"{differing(self.read(r, 'token_ids', name), mine)}: "
+                          f"{differing(got_tokens, mine)}: "
                           + ("a decode step takes the LAST token (the one sampled last) off token_ids, gives it its "
                              "slot and puts it back, so token_ids come out as they went in" if not is_prefill else
                              "a prefill step leaves token_ids as they are"),
@@ -542,7 +547,7 @@ class Driver:
                 self.fail(f"{where}: {name} has finished but is still in {'waiting' if name in waiting else 'running'}",
                           "finished-leaves")
         for name, seen in live.items():  # postprocess gives no slot: the token's slot comes with the next decode
-            table = getattr(self, "scheduled_tables", {}).get(name)
+            table = self.scheduled_tables.get(name)
             if table is not None and seen.table != table:
                 self.fail(f"{where}: postprocess changed {name}'s block_table from {table} to {seen.table}: it only "
                           f"appends the sampled token to token_ids, and the next decode step gives that token its "

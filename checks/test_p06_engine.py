@@ -845,7 +845,7 @@ def test_seeded_requests_do_not_depend_on_the_batch(request, impl, seed):
               [Params(temperature=HOT, max_tokens=HOT_TOKENS, seed=0)], Config())  # 0 is a seed too
     mixed = Run(hot.w, prompts[2:3] + prompts[1:2], [Params(max_tokens=HOT_TOKENS)] + hot.params, Config())
 
-    def draws_or_logits() -> tuple[str, str]:
+    def draws_or_logits(impl) -> tuple[str, str]:
         """When the batch changes a seeded request's tokens, is it the draws or the logits? Greedy, the same
         prompts must give the same tokens alone and in the batch: if not, the runner computes them wrongly."""
         greedy = [Params(max_tokens=mine.max_tokens)]
@@ -861,12 +861,12 @@ def test_seeded_requests_do_not_depend_on_the_batch(request, impl, seed):
         impl.fresh_worker()  # the runs compared come from two workers: the lone run's tokens cannot be replayed
         engine(impl, batch)
         if batch.outputs[0] != alone.outputs[0]:
-            greedy, rule = draws_or_logits()
+            greedy, rule = draws_or_logits(impl)
             raise Mismatch(f"the seeded request gave {alone.outputs[0]} alone and {batch.outputs[0]} in a batch "
                            f"whose budget of 4 chunks its prompt: its draws must come from its own generator, "
                            f"one per token it keeps{greedy}", rule)
         if batch.outputs[3] != alone.outputs[0]:
-            greedy, rule = draws_or_logits()
+            greedy, rule = draws_or_logits(impl)
             raise Mismatch(f"two requests with the same prompt and the same seed gave {batch.outputs[0]} and "
                            f"{batch.outputs[3]} in one batch, {alone.outputs[0]} alone: each request with a seed draws "
                            f"from a generator of its own, even when another has the same seed{greedy}", rule)
