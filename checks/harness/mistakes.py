@@ -339,12 +339,30 @@ def _trace_alike(trace: list, events: list, tolerance_kind: str, results_compare
 
 def _trace_distance(trace: list, events: list, tolerance_kind: str) -> float:
     """The share of the learner's returned values a replay gets wrong, averaged over the calls (1 for a call
-    the replay never reached or crashed in)."""
+    the replay never reached or crashed in). A call whose result agrees but whose other outputs do not (a
+    tensor written, an object's state or plain data: an engine's counters) counts the share of those it gets
+    wrong, so a replay that differs only there is not mistaken for one that reproduces the call."""
     calls = [(e, t) for e, t in zip(events, trace + [None] * (len(events) - len(trace))) if not isinstance(e, New)]
     if not calls:
         return 1.0
-    wrong = [1.0 if t is None else _value_distance(t["result"], e.result, tolerance_kind) for e, t in calls]
+    wrong = [1.0 if t is None else _call_distance(t, e, tolerance_kind) for e, t in calls]
     return sum(wrong) / len(wrong)
+
+
+def _call_distance(done: dict, event, tolerance_kind: str) -> float:
+    result = _value_distance(done["result"], event.result, tolerance_kind)
+    if result > 0:
+        return result
+    if _trace_alike([done], [event], tolerance_kind):
+        return 0.0
+    parts = [done["unchanged"] == (event.changed is None) and
+             done.get("aliased", False) == getattr(event, "aliased", False)]
+    parts += [_alike(done["written"][key], whole_storage(after), tolerance_kind) for key, after in event.written.items()]
+    for mine, state in zip(done["states"], event.states.values()):
+        parts += [mine.keys() == state.keys() and all(_alike(mine[p], state[p], tolerance_kind) for p in state)]
+    for mine, data in zip(done["data"], event.data.values()):
+        parts += [key in data and data[key] == value for key, value in mine.items()]
+    return max(sum(not ok for ok in parts) / len(parts), 1e-3)
 
 
 def _value_distance(a, b, tolerance_kind: str) -> float:
