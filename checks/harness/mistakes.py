@@ -357,7 +357,8 @@ def _call_distance(done: dict, event, tolerance_kind: str) -> float:
         return 0.0
     parts = [done["unchanged"] == (event.changed is None) and
              done.get("aliased", False) == getattr(event, "aliased", False)]
-    parts += [_alike(done["written"][key], whole_storage(after), tolerance_kind) for key, after in event.written.items()]
+    parts += [_alike(done["written"][key], whole_storage(after), tolerance_kind)
+              for key, after in event.written.items()]
     for mine, state in zip(done["states"], event.states.values()):
         parts += [mine.keys() == state.keys() and all(_alike(mine[p], state[p], tolerance_kind) for p in state)]
     for mine, data in zip(done["data"], event.data.values()):
