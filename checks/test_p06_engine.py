@@ -844,6 +844,8 @@ def test_seeded_requests_do_not_depend_on_the_batch(request, impl, seed):
     hot = Run(weights(seed, ONE_HEAD), prompts[1:2],
               [Params(temperature=HOT, max_tokens=HOT_TOKENS, seed=0)], Config())  # 0 is a seed too
     mixed = Run(hot.w, prompts[2:3] + prompts[1:2], [Params(max_tokens=HOT_TOKENS)] + hot.params, Config())
+    # ... and without a seed: two engines made alike draw alike, from the generator __init__ seeds
+    unseeded = [Run(hot.w, prompts[1:2], [Params(temperature=HOT, max_tokens=HOT_TOKENS)], Config()) for _ in "ab"]
 
     def draws_or_logits(impl) -> tuple[str, str]:
         """When the batch changes a seeded request's tokens, is it the draws or the logits? Greedy, the same
@@ -882,6 +884,11 @@ def test_seeded_requests_do_not_depend_on_the_batch(request, impl, seed):
                            f"{tokens}: the same token {len(tokens)} times, as if every step drew the same noise. Its "
                            f"generator must go on from one step to the next, not start again from the seed (carried "
                            f"on, it repeats a token {len(tokens)} times with probability 64^-{len(tokens) - 1})")
+        first, second = (engine(impl, run).outputs[0] for run in unseeded)
+        if first != second:
+            raise Mismatch(f"a request without a seed at temperature {HOT:g} gave {first} in one engine and {second} "
+                           f"in another made alike: its noise must come from the engine's own `generator` (seeded by "
+                           f"__init__), not from torch's global one", "seeded-own-generator")
 
     with_blame(request, impl, scenario)
 

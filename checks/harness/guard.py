@@ -119,6 +119,7 @@ class Call:
     owner: int | None = None  # for a method: id of the object it was called on
     returned: dict = field(default_factory=dict)  # id(a `Remote` in the result) -> its attributes as it came back
     aliased: bool = False  # the result was (a view of) one of the inputs: a mutant must do the same to match
+    rng_seed: int | None = None  # torch's global generator was seeded with it just before the call (a replay too)
 
 
 @dataclass
@@ -127,6 +128,7 @@ class New:
     obj: object
     args: tuple = ()
     kwargs: dict = field(default_factory=dict)
+    rng_seed: int | None = None
 
 
 # ---- the check's side of the wire -------------------------------------------------------------------
@@ -333,6 +335,9 @@ class Runs:
 _hung: set[tuple[str, str]] = set()  # (implementation label, function): a hang is reported once
 
 
+RNG_SEED = 20_240_601  # the first call's seed of torch's global generator in a check (the next, one more)
+
+
 class Guarded:
     def __init__(self, run: ModuleRun, stem: str, contracts: dict, time_limit: float):
         self.run, self.stem, self.contracts, self.time_limit = run, stem, contracts, time_limit
@@ -345,6 +350,7 @@ class Guarded:
         # idle machine, whatever else this one is doing
         self.made: set[int] = set()
         self.watch: TensorWatch | None = None
+        self.calls_made = 0  # seeds torch's global generator before each call: RNG_SEED + the call's number
         run.guarded = self
 
     def __getattr__(self, name: str):
@@ -399,10 +405,12 @@ class Guarded:
         recorded_args = tuple(snapshot(a) for a in args)
         recorded_kwargs = {k: snapshot(v) for k, v in kwargs.items()}
         watch = self.watch is not None
+        rng_seed = RNG_SEED + self.calls_made  # a learner's draws from torch's global generator repeat run after run,
+        self.calls_made += 1  # and differ from one call to the next, as an unseeded generator's would
         if isinstance(target, tuple):  # (object, method name): one request, not a read then a call
-            message = ("method", target[0], target[1], name, args, kwargs, write_keys, watch)
+            message = ("method", target[0], target[1], name, args, kwargs, write_keys, watch, rng_seed)
         else:
-            message = ("call", target, name, args, kwargs, write_keys, watch)
+            message = ("call", target, name, args, kwargs, write_keys, watch, rng_seed)
         started, cpu = time.perf_counter(), None
         try:
             self.run.names()  # the worker started and the module imported: not part of the call's time
@@ -440,7 +448,7 @@ class Guarded:
             if not isinstance(result, Remote):
                 raise LearnerError(f"`{name}(...)` did not make an object")
             self.made.add(id(result))
-            self.events.append(New(name, result, recorded_args, recorded_kwargs))
+            self.events.append(New(name, result, recorded_args, recorded_kwargs, rng_seed))
             return result
         after = {}
         for key, value in arguments:
@@ -451,7 +459,7 @@ class Guarded:
         data_by_id = {id(self.run.remote(h, "", "object")): d for h, d in data.items()} if data else {}
         self.events.append(Call(name, recorded_args, recorded_kwargs, snapshot(result), by_id, changed, data_by_id,
                                 after, None if owner is None else id(owner), returned_attributes(result),
-                                refused is not None))
+                                refused is not None, rng_seed))
         if changed is not None:
             raise LearnerError(f"`{name}` changed its input `{changed}` in place", identifiable=True)
         if refused is not None:  # an alias of an input: only a mutant that returns one too can match

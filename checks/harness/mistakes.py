@@ -233,7 +233,8 @@ def _inputs_key(events: list) -> tuple | None:
             own = () if isinstance(event, New) else (
                 made[event.owner] if event.owner is not None else None, tuple(sorted(map(str, event.written))),
                 tuple(made[i] for i in event.states), tuple(made[i] for i in event.data))
-            key.append((type(event).__name__, event.name, _key(event.args, made), _key(event.kwargs, made), own))
+            key.append((type(event).__name__, event.name, _key(event.args, made), _key(event.kwargs, made), own,
+                        event.rng_seed))
             if isinstance(event, New):
                 made[id(event.obj)] = len(made)
     except (_Unkeyable, KeyError):
@@ -264,11 +265,18 @@ def _replay(events: list, module, time_limit: float, compare=None) -> list:
     """Run `events`' calls on `module`: per call, what the comparison needs (None where the mutant crashed,
     and nothing after). `compare(event, result, made)`, when given, judges each result as it comes (it may
     add the objects a result holds to `made`); a replay stops at the first result it rejects."""
+    with torch.random.fork_rng(devices=[]):  # the checks' own draws from torch's global generator stay theirs
+        return _replay_seeded(events, module, time_limit, compare)
+
+
+def _replay_seeded(events: list, module, time_limit: float, compare) -> list:
     made, trace = {}, []
     for event in events:
         try:
             args = tuple(_fresh(a, made) for a in event.args)
             kwargs = {k: _fresh(v, made) for k, v in event.kwargs.items()}
+            if event.rng_seed is not None:  # as the worker seeded it before the learner's call
+                torch.manual_seed(event.rng_seed)
             if isinstance(event, New):
                 made[id(event.obj)] = getattr(module, event.name)(*args, **kwargs)
                 trace.append({})
@@ -305,7 +313,7 @@ def _replay(events: list, module, time_limit: float, compare=None) -> list:
             return trace
         trace.append({
             "result": None if compare is not None else copy.deepcopy(result),
-            "unchanged": changed_input(before, names) is None,
+            "unchanged": changed_input(before, names, bitwise=True) is None,
             "aliased": aliased,
             "written": {key: whole_storage(w).clone() for key, w in written.items()},
             "states": [leaves(made[obj_id]) for obj_id in event.states],

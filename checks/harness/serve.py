@@ -285,20 +285,23 @@ class Worker:
         self.run(lambda: len(obj), "len()")
 
     def do_method(self, obj, method: str, name: str, args: tuple, kwargs: dict, writes: list,
-                  watch: bool = False) -> None:
+                  watch: bool = False, rng_seed: int | None = None) -> None:
         try:
             fn = getattr(obj, method)
         except BaseException as error:  # noqa: BLE001
             self.reply("raised", f"`{name}` cannot be read: {self.package.describe(error, self.stem)}")
             return
-        self.do_call(fn, name, args, kwargs, writes, watch)
+        self.do_call(fn, name, args, kwargs, writes, watch, rng_seed)
 
-    def do_call(self, fn, name: str, args: tuple, kwargs: dict, writes: list, watch: bool = False) -> None:
+    def do_call(self, fn, name: str, args: tuple, kwargs: dict, writes: list, watch: bool = False,
+                rng_seed: int | None = None) -> None:
         written = [args[key] if isinstance(key, int) else kwargs[key] for key in writes]
         names = argument_names(fn, args, kwargs)
         before = {arg: leaves(value) for arg, value in names.items() if not any(value is w for w in written)}
         inputs = {_storage(t) for value in names.values() for t in leaves_of(value)}
         largest = LargestTensor() if watch else None
+        if rng_seed is not None:  # torch's global generator, for code that draws from it: the same verdict every run
+            torch.manual_seed(rng_seed)
         try:
             if largest is None:
                 result = fn(*args, **kwargs)

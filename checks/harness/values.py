@@ -98,21 +98,30 @@ def leaves(value) -> dict[str, torch.Tensor]:
     return found
 
 
-def changed_input(before: dict[str, dict], names: dict[str, object]) -> str | None:
-    """The first argument (or tensor inside one) that differs from its copy taken before the call."""
+def changed_input(before: dict[str, dict], names: dict[str, object], bitwise: bool = False) -> str | None:
+    """The first argument (or tensor inside one) that differs from its copy taken before the call (`bitwise`: in
+    any byte, as the worker sees an input in shared memory: -0.0 written over 0.0 is a change)."""
     for arg, snapshot in before.items():
-        path = first_change(snapshot, leaves(names[arg]))
+        path = first_change(snapshot, leaves(names[arg]), bitwise)
         if path is not None:
             return arg + path
     return None
 
 
-def first_change(before: dict[str, torch.Tensor], after: dict[str, torch.Tensor]) -> str | None:
+def first_change(before: dict[str, torch.Tensor], after: dict[str, torch.Tensor], bitwise: bool = False) -> str | None:
     for path, old in before.items():
         new = after.get(path)
-        if new is None or not same(old, new):
+        if new is None or not (same_bits(old, new) if bitwise else same(old, new)):
             return path
     return None
+
+
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    if a.shape != b.shape or a.dtype != b.dtype:
+        return False
+    if a.dtype == torch.bool or not a.numel():
+        return bool((a == b).all())
+    return bool((a.reshape(-1).contiguous().view(torch.uint8) == b.reshape(-1).contiguous().view(torch.uint8)).all())
 
 
 def same(a: torch.Tensor, b: torch.Tensor) -> bool:

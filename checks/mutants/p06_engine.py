@@ -156,6 +156,14 @@ MISTAKES = [
                 "                noise[b].exponential_(generator=own)\n"),
     ),
     Mistake(
+        "noise-from-global-generator",
+        "the noise of requests without a seed drawn from torch's global generator, not the engine's `generator`",
+        "Draw the batch's noise with generator=self.generator: torch's global one is shared with everything else in "
+        "the process, so two engines made alike sample differently.",
+        replace("        noise = torch.empty_like(probs).exponential_(generator=self.generator)  # [B, V] Exp(1)\n",
+                "        noise = torch.empty_like(probs).exponential_()  # [B, V] Exp(1)\n"),
+    ),
+    Mistake(
         "tokens-out-counts-chunks",
         "stats['tokens_out'] counts every row of a step, a chunk's too, not the tokens sampled",
         "Count the rows that drew a token (the requests whose prompt is complete after the step): a chunk's row "
