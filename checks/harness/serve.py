@@ -285,16 +285,16 @@ class Worker:
         self.run(lambda: len(obj), "len()")
 
     def do_method(self, obj, method: str, name: str, args: tuple, kwargs: dict, writes: list,
-                  watch: bool = False, rng_seed: int | None = None) -> None:
+                  rng_seed: int | None = None, watch: bool = False) -> None:
         try:
             fn = getattr(obj, method)
         except BaseException as error:  # noqa: BLE001
             self.reply("raised", f"`{name}` cannot be read: {self.package.describe(error, self.stem)}")
             return
-        self.do_call(fn, name, args, kwargs, writes, watch, rng_seed)
+        self.do_call(fn, name, args, kwargs, writes, rng_seed, watch)
 
-    def do_call(self, fn, name: str, args: tuple, kwargs: dict, writes: list, watch: bool = False,
-                rng_seed: int | None = None) -> None:
+    def do_call(self, fn, name: str, args: tuple, kwargs: dict, writes: list, rng_seed: int | None = None,
+                watch: bool = False) -> None:
         written = [args[key] if isinstance(key, int) else kwargs[key] for key in writes]
         names = argument_names(fn, args, kwargs)
         before = {arg: leaves(value) for arg, value in names.items() if not any(value is w for w in written)}
