@@ -481,6 +481,13 @@ def mask_rule(logits, temperature, top_k, top_p, got, b: int) -> str:
     want = expected_probabilities(logits[b : b + 1], temperature[b : b + 1], top_k[b : b + 1], top_p[b : b + 1])[0]
     if t == 0:
         return "greedy-one-hot"
+    top_k_alone = expected_probabilities(logits[b : b + 1], temperature[b : b + 1], top_k[b : b + 1], torch.ones(1))[0]
+    # the kept probabilities before their renormalisation: of the whole row, or of what top-k kept
+    unnormalised = [torch.softmax(row / t, -1) * (want > 0), top_k_alone * (want > 0)]
+    if any(torch.allclose(mine, torch.softmax(q, -1), atol=1e-6) for q in (want, *unnormalised)):
+        return "renormalised"  # a softmax of the kept probabilities, not a division by their sum
+    if (mine > 0).any() and bool((row[mine > 0] < row.max()).all()):  # every most likely token dropped, a less likely
+        return "top-p-smallest-set"  # one kept: no threshold on the logits (top-k) does that; the mass before it is 0
     both = ((mine > 0) & (want > 0)).nonzero().flatten()
     if len(both) >= 2:  # two kept tokens stand in the ratio exp((l_i - l_j) / t), renormalised or not
         ratios = mine[both].log() - mine[both[0]].log()
@@ -489,8 +496,7 @@ def mask_rule(logits, temperature, top_k, top_p, got, b: int) -> str:
             return "probabilities-by-definition" if abs(float(mine.sum()) - 1) > 1e-4 else "temperature-divides"
     if ((mine > 0) != (want > 0)).any():
         if k > 0:  # which tokens top-k alone keeps: a row that keeps others broke top-k, else top-p
-            alone = expected_probabilities(logits[b : b + 1], temperature[b : b + 1], top_k[b : b + 1],
-                                           torch.ones(1))[0] > 0
+            alone = top_k_alone > 0
             if p >= 1 or ((mine > 0) & ~alone).any():
                 return "top-k-keeps-ties"
         elif (mine > 0).any() and bool((row[mine > 0] == row.max()).all()):
@@ -723,6 +729,16 @@ def test_generate_refuses_a_request_longer_than_max_model_len(impl, seed):
     if not isinstance(served, list) or len(served) != 1 or len(served[0]) != 6:
         raise Mismatch(f"LLM.generate of a prompt of 10 tokens with max_tokens 6 under max_model_len 16 returned "
                        f"{str(served)[:60]}, expected one list of 6 tokens", "generate-returns-completions")
+    too_long = random_prompts(gen, SHAPES[ONE_HEAD][0], (17,))[0]
+    try:  # a prompt longer than max_model_len on its own
+        served = llm.generate([list(too_long)], [Params(max_tokens=1)])
+    except LearnerError as error:
+        if "raised ValueError" not in str(error):
+            raise
+    else:
+        raise Mismatch(f"LLM.generate served a prompt of 17 tokens with max_tokens 1 under max_model_len 16 (it gave "
+                       f"{str(served)[:40]}): each prompt's own length with its max_tokens must fit max_model_len, "
+                       f"or generate raises ValueError", "refuses-over-max-model-len")
     try:
         llm.generate([list(prompt[:4]), list(prompt)], [Params(max_tokens=4), Params(max_tokens=7)])
     except LearnerError as error:

@@ -312,7 +312,8 @@ def test_column_row_and_merged_shards(impl, gen, tp):
 
 def expect_value_error(call, what: str) -> None:
     rule = {"column_shard": "column-shard", "row_shard": "row-shard",
-            "merged_column_shard": "merged-shard-part-by-part"}.get(what.split(" ")[0], "shard-layer")
+            "merged_column_shard": "merged-shard-part-by-part", "shard_model": "shard-model"}.get(
+        what.split(" ")[0], "shard-layer")
     try:
         call()
     except LearnerError as error:
@@ -343,7 +344,8 @@ def test_shard_layer_refuses_kv_heads_that_do_not_divide(impl, gen):
 
 
 def test_shard_model(impl, gen):
-    """shard_model gives each rank its vocabulary rows, every layer's shard and the shared final norm"""
+    """shard_model gives each rank its vocabulary rows, every layer's shard and the shared final norm, and refuses a
+    vocabulary the ranks do not divide"""
     w = random_weights(gen, "H4-KVH2")
     for rank in range(2):
         shard = impl.shard_model(w, rank, 2)
@@ -360,6 +362,9 @@ def test_shard_model(impl, gen):
             same = torch.equal(mine, want) if isinstance(want, torch.Tensor) else mine == want
             if not same:
                 raise Mismatch(f"rank {rank}'s `{name}` differs from the model's (it is shared, not split)")
+    V, hidden, intermediate, L, H, KVH, D = SHAPES["H4-KVH2"]
+    odd = ModelWeights.random(gen, V - 1, hidden, intermediate, 1, H, KVH, D)  # a vocabulary 2 ranks cannot split
+    expect_value_error(lambda: impl.shard_model(odd, 0, 2), f"shard_model of a vocabulary of {V - 1} over 2 ranks")
 
 
 # ---- the vocabulary, split ----------------------------------------------------------------------------------
@@ -450,13 +455,14 @@ def test_model_matches_hf(impl, seed, gen, split, dtype):
     tp, layout = SPLITS[split]
     P = int(torch.randint(4, 10, (), generator=gen))
     case = hf_case(seed, layout, dtype, P)
+    # the last position first: a mistake on one path only is then told from one on both by what it got right
+    out = ranks(impl, tp).call("tp_model_forward", [(rank_model(case.w, r, tp), case.prompt) for r in range(tp)])
+    expect_close(only_rank_zero(out, "tp_model_forward"), case.logits[-1:], tolerance("model", dtype),
+                 f"rank 0's logits without all_logits (the last of {P} tokens only, [1, V])")
     out = ranks(impl, tp).call("tp_model_forward", [(rank_model(case.w, r, tp), case.prompt, None, True)
                                                     for r in range(tp)])
     logits = only_rank_zero(out, "tp_model_forward")
     expect_close(logits, case.logits, tolerance("model", dtype), f"rank 0's logits ({P} tokens, {tp} ranks)")
-    out = ranks(impl, tp).call("tp_model_forward", [(rank_model(case.w, r, tp), case.prompt) for r in range(tp)])
-    expect_close(only_rank_zero(out, "tp_model_forward"), case.logits[-1:], tolerance("model", dtype),
-                 f"rank 0's logits without all_logits (the last of {P} tokens only, [1, V])")
 
 
 CHUNKED_CALLS = ((0, 5), (5, 7), (7, 8))  # tokens start .. stop - 1 of each call: two prefill chunks, a decode step

@@ -116,7 +116,8 @@ def shard_layer(layer, rank: int, world_size: int) -> TPLayer:
 
 def shard_model(model, rank: int, world_size: int) -> TPWeights:
     """Rank `rank`'s `TPWeights` of an m04 `Qwen3Weights`: the embedding's vocabulary rows column-sharded
-    (V must divide by `world_size`), every layer by `shard_layer`, the final norm shared."""
+    (V must divide by `world_size`: ValueError otherwise, as `column_shard` raises), every layer by `shard_layer`,
+    the final norm shared."""
     raise NotImplementedError("shard_model (mine/p07_tensor_parallel.py) is not written yet")
 
 

@@ -140,7 +140,8 @@ def shard_layer(layer, rank: int, world_size: int) -> TPLayer:
 
 def shard_model(model, rank: int, world_size: int) -> TPWeights:
     """Rank `rank`'s `TPWeights` of an m04 `Qwen3Weights`: the embedding's vocabulary rows column-sharded
-    (V must divide by `world_size`), every layer by `shard_layer`, the final norm shared."""
+    (V must divide by `world_size`: ValueError otherwise, as `column_shard` raises), every layer by `shard_layer`,
+    the final norm shared."""
     return TPWeights(column_shard(model.embed_tokens, rank, world_size),
                      [shard_layer(layer, rank, world_size) for layer in model.layers],
                      model.norm, model.eps, model.rope_theta, model.head_dim)

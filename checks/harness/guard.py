@@ -25,6 +25,7 @@ import ast
 import dataclasses
 import functools
 import os
+import re
 import time
 from dataclasses import dataclass, field
 
@@ -120,6 +121,14 @@ class Call:
     returned: dict = field(default_factory=dict)  # id(a `Remote` in the result) -> its attributes as it came back
     aliased: bool = False  # the result was (a view of) one of the inputs: a mutant must do the same to match
     rng_seed: int | None = None  # torch's global generator was seeded with it just before the call (a replay too)
+
+
+@dataclass(frozen=True)
+class Raised:
+    """A call's result where it raised (the exception's type name): a replay matches it only by raising one too.
+    A check that catches a refusal (a ValueError it asks for) and goes on keeps the refusal among the calls."""
+
+    kind: str
 
 
 @dataclass
@@ -417,6 +426,10 @@ class Guarded:
             cpu = self.run.worker_cpu()
             reply = self.run.exchange(message, f"`{name}`")
         except LearnerError as error:
+            raised = re.match(r"`[^`]*` raised (\w+)", str(error))
+            if raised and not making and error.crash is None:
+                self.events.append(Call(name, recorded_args, recorded_kwargs, Raised(raised.group(1)), {}, None,
+                                        owner=None if owner is None else id(owner), rng_seed=rng_seed))
             if "did not return within" in str(error):
                 _hung.add((self.impl.label, name))
             if error.crash is not None:  # which call, on what: the worker that could say more is gone

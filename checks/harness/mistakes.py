@@ -27,7 +27,7 @@ from functools import cache
 import torch
 
 from .compare import TOLERANCES, close_enough
-from .guard import Call, New, Remote
+from .guard import Call, New, Raised, Remote
 from .loader import ROOT, Implementation
 from .ranks import RankCall
 from .simdist import run_ranks
@@ -302,8 +302,12 @@ def _replay_seeded(events: list, module, time_limit: float, compare) -> list:
             aliased = _aliases(result, (args, kwargs))
         except KeyboardInterrupt:  # Ctrl-C or SIGTERM (./check.sh turns it into this): the run stops here
             raise
-        except BaseException:  # noqa: BLE001 - the mutant crashed where the learner did not
-            trace.append(None)
+        except BaseException as error:  # noqa: BLE001 - the mutant raised: where the learner did too, a match so far
+            if isinstance(event, Call) and isinstance(event.result, Raised):
+                trace.append({"result": Raised(type(error).__name__), "unchanged": True, "aliased": False,
+                              "written": {}, "states": [], "data": []})
+                continue
+            trace.append(None)  # the mutant crashed where the learner did not
             return trace
         if compare is not None and not compare(event, result, made):
             trace.append(None)

@@ -250,8 +250,8 @@ RULES = [
          "both head counts"),
     Rule("shard-model",
          "shard_model shards every layer with shard_layer and gives rank r the embedding rows of its vocabulary "
-         "block, keeping the final norm whole",
-         "column_shard the embedding; shard_layer each layer"),
+         "block, keeping the final norm whole; it raises ValueError when tp does not divide the vocabulary",
+         "column_shard the embedding (it refuses a vocabulary tp does not divide); shard_layer each layer"),
     Rule("embedding-masked-and-reduced",
          "vocab_parallel_embedding looks up the ids in the rank's block [start, start + Vr) at id - start, gives "
          "zeros for every other id, and all_reduces the sum over the ranks",
