@@ -28,6 +28,9 @@ from checks.harness.toys import load_toy
 pytestmark = pytest.mark.p05
 
 TOLERANCE_KIND = "exact"  # bookkeeping: ids and counts, compared exactly
+# Replays of this module are cheap: a name its failures suggest alone is replayed on the checks a learner passed too,
+# and dropped where its mutant gives other outputs there (harness/report.py, contradict)
+CHEAP_REPLAYS = True
 # What `./check.sh grade` awards: a check's points, shared out over its cases (the module is worth the sum, 36).
 POINTS = {
     "test_toy_scenario": 4,
@@ -555,10 +558,16 @@ class Driver:
         model_live = {r.name: q for q in ("waiting", "running") for r in getattr(self.model, q)}
         for name, queue in model_live.items():  # a request the model still serves, lost from both queues here
             if name not in live and name not in finished and name in self.before["waiting"] + self.before["running"]:
+                # a request the model preempted: did preempt run on it (its blocks freed) and then lose it, or not?
+                kept = name in self.facts.preempted and bool(self.read(self.remotes[name], "block_table", name))
                 self.fail(f"{where}: {name} is in neither waiting nor running, but it has not finished (expected in "
-                          f"{queue}): a step puts every request it takes back in a queue",
+                          f"{queue}): a step puts every request it takes back in a queue" + (
+                              f"; it still holds blocks {self.read(self.remotes[name], 'block_table', name)}, so it "
+                              f"was never preempted: a request that finds no slot with no other left to preempt "
+                              f"preempts itself" if kept else ""),
                           "running-in-start-order" if name in self.before["running"] and queue == "running"
                           else "complete-prompt-runs" if name in self.facts.completed and queue == "running"
+                          else "preempt-the-newest" if kept
                           else "preempted-come-back-first" if name in self.facts.preempted else "waiting-in-order")
         owners: dict[int, list[tuple[str, int]]] = {}
         for name, seen in live.items():
@@ -1089,9 +1098,10 @@ def test_decode_preempts_the_newest_running_request(impl):
     d.add(2, [5], 3)  # C and D: their next token fits in their block
     d.add(3, [6], 3)
     d.step()  # prefill all four: 4 blocks, none free
-    d.step()  # decode: A preempts D (the newest), B preempts C; both go back to waiting, C first
+    d.add(4, [7, 8, 9], 1)  # E waits: no block is free for it
+    d.step()  # decode: A preempts D (the newest), B preempts C; both go back to waiting, C first, ahead of E
     d.expect_batch(2, [("A", 1), ("B", 1)])
-    d.expect("after step 2: waiting", d.queue("waiting"), ["C", "D"])
+    d.expect("after step 2: waiting", d.queue("waiting"), ["C", "D", "E"])
     d.run_to_the_end()
 
 

@@ -34,6 +34,9 @@ from checks.harness.toys import load_toy
 pytestmark = pytest.mark.p07
 
 TOLERANCE_KIND = "model"
+# Replays of this module are cheap: a name its failures suggest alone is replayed on the checks a learner passed too,
+# and dropped where its mutant gives other outputs there (harness/report.py, contradict)
+CHEAP_REPLAYS = True
 # What `./check.sh grade` awards: a check's points, shared out over its cases (the module is worth 41).
 POINTS = {
     "test_toy_shards": 3,

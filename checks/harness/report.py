@@ -99,6 +99,8 @@ class Reporter:
         self.named: set[str] = set()  # labels of mutants a check has rejected by their own id
         # (module, implementation) -> what each check it passed recorded, to test the names against (contradict)
         self.passed: dict[tuple[str, str], list] = {}
+        # modules whose replays are cheap (no engine runs): there a single name is tested against the passed checks too
+        self.cheap_replays: set[str] = set()
         self.started = time.perf_counter()
 
     def pytest_collection_finish(self, session):
@@ -211,6 +213,8 @@ class Reporter:
         if guarded is None or not guarded.events or label.split(":", 1)[0] in ("mutant", "variant", "broken") or \
                 item.originalname in getattr(item.module, "UNNAMED", ()):
             return
+        if getattr(item.module, "CHEAP_REPLAYS", False):
+            self.cheap_replays.add(stem)
         self.passed.setdefault((stem, label), []).append(
             (list(guarded.events), getattr(item.module, "TOLERANCE_KIND", "elementwise"), guarded.time_limit))
 
@@ -221,8 +225,8 @@ class Reporter:
         for (stem, label), passed in self.passed.items():
             rows = [r for r in self.results if (r.module, r.impl) == (stem, label) and r.status == "failed"]
             suggested = list(dict.fromkeys(m for r in rows for m in r.mistakes))
-            if len(suggested) < 2:
-                continue  # one name or none: nothing to choose between (a replay of a whole engine run costs seconds)
+            if len(suggested) < (1 if stem in self.cheap_replays else 2):
+                continue  # one name where replays are costly: nothing to choose between (an engine run costs seconds)
             wrong = [m for m in suggested
                      if any(not identify(events, stem, kind, limit, only=lambda i, m=m: i == m)
                             for events, kind, limit in passed)]

@@ -348,6 +348,11 @@ RULES = [
          "request's last computed token",
          "check the metadata of one step by hand (positions, slot_mapping, cu_seqlens, block tables, context "
          "lengths) against exercises/p06_engine.md › Shape trace"),
+    Rule("sampled-by-its-params",
+         "step draws each request's token from probabilities(logits, temperature, top_k, top_p) with the values its "
+         "SamplingParams hold (a temperature or top_p below 1 stays a float), by the race with Exp(1) noise",
+         "in _sample, build float tensors of the temperatures and top_ps and an int64 one of the top_ks, then "
+         "sample(probabilities(...), noise) with noise drawn by exponential_()"),
     Rule("seeded-own-generator",
          "a request with a seed (0 included) draws its row's noise from a generator of its own, seeded once and "
          "carried across its steps; every other row draws from the engine's generator; a chunk's row draws nothing",
