@@ -774,6 +774,9 @@ class Driver:
             if field == "running":
                 return "running-in-start-order"
             i = next(i for i, (a, b) in enumerate(zip(got, want)) if a != b)
+            k = len(f.preempted)
+            if field == "waiting" and k > 1 and set(got[:k]) == set(want[:k]) == f.preempted:
+                return "preempt-the-newest"  # every victim put back first, in another order: taken in another order
             if want[i] in f.chunked:  # the model's chunk stands first; here another request is ahead of it
                 return "a-chunk-stays-first"
             return "preempted-come-back-first" if {got[i], want[i]} & f.preempted else "waiting-in-order"

@@ -151,6 +151,7 @@ class Run:
     config: Config
     outputs: list = field(default_factory=list)
     stats: dict = field(default_factory=dict)
+    llm: object = None  # the engine that gave them (one rank: it can be asked again)
 
 
 @cache
@@ -200,7 +201,7 @@ def engine(impl, run: Run) -> Run:
     stats = llm.stats
     if not isinstance(stats, dict):
         raise Mismatch(f"LLM.stats is {type(stats).__name__}, expected the dict of counters __init__ sets up")
-    run.outputs, run.stats = outputs, dict(stats)
+    run.outputs, run.stats, run.llm = outputs, dict(stats), llm
     if run.config.tensor_parallel_size > 1:  # after a failure the ranks end with the error, or with the worker
         llm.close()
     return run
@@ -717,8 +718,8 @@ def expect_chunk_stores_only_its_tokens(impl, seed: int) -> None:
 
 
 def test_generate_refuses_a_request_longer_than_max_model_len(impl, seed):
-    """LLM.generate refuses, with a ValueError, a request whose prompt and max_tokens together pass max_model_len,
-    and serves one that fills it exactly"""
+    """LLM.generate refuses, with a ValueError, a request whose prompt and max_tokens together pass max_model_len
+    (and a params list that is not one per prompt), and serves one that fills it exactly"""
     gen = torch.Generator().manual_seed(seed)
     prompt = random_prompts(gen, SHAPES[ONE_HEAD][0], (10,))[0]
     try:  # the token budget bounds a step, not a request: a longer prompt is prefilled in chunks
@@ -744,6 +745,15 @@ def test_generate_refuses_a_request_longer_than_max_model_len(impl, seed):
     if not isinstance(served, list) or len(served) != 1 or len(served[0]) != 6:
         raise Mismatch(f"LLM.generate of a prompt of 10 tokens with max_tokens 6 under max_model_len 16 returned "
                        f"{str(served)[:60]}, expected one list of 6 tokens", "generate-returns-completions")
+    try:  # a list of params that is not one per prompt
+        served = llm.generate([list(prompt)], [Params(max_tokens=1), Params(max_tokens=2)])
+    except LearnerError as error:
+        if "raised ValueError" not in str(error):
+            raise
+    else:
+        raise Mismatch(f"LLM.generate of 1 prompt with a list of 2 SamplingParams returned {str(served)[:40]}: a list "
+                       f"gives one params per prompt, so one of another length raises ValueError",
+                       "one-params-per-prompt")
     too_long = random_prompts(gen, SHAPES[ONE_HEAD][0], (17,))[0]
     try:  # a prompt longer than max_model_len on its own
         served = llm.generate([list(too_long)], [Params(max_tokens=1)])
@@ -862,7 +872,7 @@ HOT_TOKENS = 5
 
 def test_seeded_requests_do_not_depend_on_the_batch(request, impl, seed):
     """a seeded request samples the same tokens alone, in a chunked batch with others and behind a greedy request,
-    and its generator goes on from step to step"""
+    and its generator goes on from step to step; requests without a seed draw from the engine's generator"""
     layout = "L2-H2-KVH1-D16"
     gen = torch.Generator().manual_seed(seed)
     prompts = random_prompts(gen, 64, (9, 5, 6))
@@ -875,8 +885,10 @@ def test_seeded_requests_do_not_depend_on_the_batch(request, impl, seed):
     hot = Run(weights(seed, ONE_HEAD), prompts[1:2],
               [Params(temperature=HOT, max_tokens=HOT_TOKENS, seed=0)], Config())  # 0 is a seed too
     mixed = Run(hot.w, prompts[2:3] + prompts[1:2], [Params(max_tokens=HOT_TOKENS)] + hot.params, Config())
-    # ... and without a seed: two engines made alike draw alike, from the generator __init__ seeds
-    unseeded = [Run(hot.w, prompts[1:2], [Params(temperature=HOT, max_tokens=HOT_TOKENS)], Config()) for _ in "ab"]
+    # ... and without a seed: two twins in one batch draw apart, and two engines made alike draw alike, from the
+    # generator __init__ seeds, which goes on from one generate to the next
+    unseeded = [Run(hot.w, prompts[1:2] * 2, [Params(temperature=HOT, max_tokens=HOT_TOKENS)] * 2, Config())
+                for _ in "ab"]
 
     def draws_or_logits(impl) -> tuple[str, str]:
         """When the batch changes a seeded request's tokens, is it the draws or the logits? Greedy, the same
@@ -915,11 +927,20 @@ def test_seeded_requests_do_not_depend_on_the_batch(request, impl, seed):
                            f"{tokens}: the same token {len(tokens)} times, as if every step drew the same noise. Its "
                            f"generator must go on from one step to the next, not start again from the seed (carried "
                            f"on, it repeats a token {len(tokens)} times with probability 64^-{len(tokens) - 1})")
-        first, second = (engine(impl, run).outputs[0] for run in unseeded)
+        first, second = (engine(impl, run).outputs for run in unseeded)
+        if first[0] == first[1]:
+            raise Mismatch(f"two requests without a seed, the same prompt at temperature {HOT:g} in one batch, both "
+                           f"gave {first[0]}: their rows draw apart from the engine's generator (alike with "
+                           f"probability 64^-{HOT_TOKENS}), not from generators of their own", "seeded-own-generator")
         if first != second:
-            raise Mismatch(f"a request without a seed at temperature {HOT:g} gave {first} in one engine and {second} "
-                           f"in another made alike: its noise must come from the engine's own `generator` (seeded by "
-                           f"__init__), not from torch's global one", "seeded-own-generator")
+            raise Mismatch(f"requests without a seed at temperature {HOT:g} gave {first} in one engine and {second} "
+                           f"in another made alike: their noise must come from the engine's own `generator` (seeded "
+                           f"by __init__), not from torch's global one", "seeded-own-generator")
+        again = unseeded[1].llm.generate([list(p) for p in unseeded[1].prompts], list(unseeded[1].params))
+        if again == second:
+            raise Mismatch(f"the same requests without a seed, asked of one engine twice, gave {second} both times: "
+                           f"the engine's generator goes on from one generate to the next, it is seeded once, by "
+                           f"__init__", "seeded-own-generator")
 
     with_blame(request, impl, scenario)
 

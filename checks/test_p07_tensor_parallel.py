@@ -71,6 +71,10 @@ RULE_OF = {
     "test_chunked_calls_with_caches": "model-forward",
     "test_greedy_matches_hf_generate": "greedy-broadcasts",
 }
+# A function that raises ValueError on a split it must serve (the checks' cases all divide) breaks its own rule
+REFUSAL_RULES = {"column_shard": "column-shard", "row_shard": "row-shard",
+                 "merged_column_shard": "merged-shard-part-by-part", "shard_layer": "shard-layer",
+                 "shard_model": "shard-model"}
 TOY = load_toy("p07_tensor_parallel")
 # (V, hidden, I, L, H, KVH, D): H != KVH; the second divides over 4 ranks, the first over 2 only
 LAYOUTS = {"H4-KVH2": (64, 32, 48, 2, 4, 2, 8), "H8-KVH4": (96, 40, 64, 2, 8, 4, 8)}

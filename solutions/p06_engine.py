@@ -662,8 +662,8 @@ class LLM:
 
         Returns:
             `outputs[i]`: request i's sampled tokens (its stop token included when it stopped on one).
-            A prompt longer than `max_model_len` with its `max_tokens`, or one the cache cannot hold,
-            raises ValueError before anything runs.
+            A prompt longer than `max_model_len` with its `max_tokens`, one the cache cannot hold, or a
+            list of params whose length is not the number of prompts raises ValueError before anything runs.
         """
         params = sampling_params if isinstance(sampling_params, (list, tuple)) else [sampling_params] * len(prompts)
         if len(params) != len(prompts):

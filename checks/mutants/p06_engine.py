@@ -370,6 +370,10 @@ RULES = [
          "generate raises ValueError before serving anything when a prompt with its max_tokens is longer than "
          "max_model_len (exactly max_model_len fits)",
          "compare len(prompt) + max_tokens > max_model_len for every request before adding any"),
+    Rule("one-params-per-prompt",
+         "generate takes one object with SamplingParams' attributes for every prompt, or a list of exactly one per "
+         "prompt: a list of another length raises ValueError before anything runs",
+         "broadcast a single params object to every prompt; compare a list's length with the prompts' first"),
     Rule("generate-returns-completions",
          "generate returns one list per prompt, in the prompts' order: that request's completion tokens (its stop "
          "token included), each drawn for it in the step that completed its tokens, never its prompt",
