@@ -885,6 +885,7 @@ def test_seeded_requests_do_not_depend_on_the_batch(request, impl, seed):
     hot = Run(weights(seed, ONE_HEAD), prompts[1:2],
               [Params(temperature=HOT, max_tokens=HOT_TOKENS, seed=0)], Config())  # 0 is a seed too
     mixed = Run(hot.w, prompts[2:3] + prompts[1:2], [Params(max_tokens=HOT_TOKENS)] + hot.params, Config())
+    other_seed = Run(hot.w, hot.prompts, [Params(temperature=HOT, max_tokens=HOT_TOKENS, seed=1)], Config())
     # ... and without a seed: two twins in one batch draw apart, and two engines made alike draw alike, from the
     # generator __init__ seeds, which goes on from one generate to the next
     unseeded = [Run(hot.w, prompts[1:2] * 2, [Params(temperature=HOT, max_tokens=HOT_TOKENS)] * 2, Config())
@@ -927,6 +928,10 @@ def test_seeded_requests_do_not_depend_on_the_batch(request, impl, seed):
                            f"{tokens}: the same token {len(tokens)} times, as if every step drew the same noise. Its "
                            f"generator must go on from one step to the next, not start again from the seed (carried "
                            f"on, it repeats a token {len(tokens)} times with probability 64^-{len(tokens) - 1})")
+        if engine(impl, other_seed).outputs[0] == tokens:
+            raise Mismatch(f"the same prompt at temperature {HOT:g} gave {tokens} with seed 0 and with seed 1: a "
+                           f"request's generator is seeded with its own seed (alike by chance with probability "
+                           f"64^-{HOT_TOKENS})", "seeded-own-generator")
         first, second = (engine(impl, run).outputs for run in unseeded)
         if first[0] == first[1]:
             raise Mismatch(f"two requests without a seed, the same prompt at temperature {HOT:g} in one batch, both "

@@ -297,6 +297,17 @@ def test_column_row_and_merged_shards(impl, gen, tp):
                                {"column_shard": "column-shard", "row_shard": "row-shard"}.get(name,
                                                                                               "merged-shard-part-by-part"))
     if tp > 1:
+        odd_columns = torch.randn(8, 5, generator=gen)  # columns the world does not divide: column_shard splits rows
+        try:
+            got = impl.column_shard(odd_columns.clone(), 1, 4)
+        except LearnerError as error:
+            if "raised ValueError" not in str(error):
+                raise
+            raise Mismatch("column_shard of an [8, 5] weight over 4 ranks raised ValueError: it splits the rows, so "
+                           "only they must divide (the 5 columns stay whole)", "column-shard") from None
+        if not isinstance(got, torch.Tensor) or not torch.equal(got, rows_of(odd_columns, 1, 4)):
+            raise Mismatch("column_shard of an [8, 5] weight, rank 1 of 4: expected its rows 2..3, every column",
+                           "column-shard")
         expect_value_error(lambda: impl.column_shard(torch.randn(6, 4, generator=gen), 0, 4),
                            "column_shard of 6 rows over 4 ranks")
         expect_value_error(lambda: impl.row_shard(torch.randn(4, 6, generator=gen), 0, 4),

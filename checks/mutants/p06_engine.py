@@ -348,16 +348,16 @@ RULES = [
          "request's last computed token",
          "check the metadata of one step by hand (positions, slot_mapping, cu_seqlens, block tables, context "
          "lengths) against exercises/p06_engine.md › Shape trace"),
-    Rule("sampled-by-its-params",
-         "step draws each request's token from probabilities(logits, temperature, top_k, top_p) with the values its "
-         "SamplingParams hold (a temperature or top_p below 1 stays a float), by the race with Exp(1) noise",
-         "in _sample, build float tensors of the temperatures and top_ps and an int64 one of the top_ks, then "
-         "sample(probabilities(...), noise) with noise drawn by exponential_()"),
     Rule("seeded-own-generator",
          "a request with a seed (0 included) draws its row's noise from a generator of its own, seeded once and "
          "carried across its steps; every other row draws from the engine's generator; a chunk's row draws nothing",
          "make the generator in generate when the request is added; in _sample fill only that request's row "
          "from it"),
+    Rule("sampled-by-its-params",
+         "step draws each request's token from probabilities(logits, temperature, top_k, top_p) with the values its "
+         "SamplingParams hold (a temperature or top_p below 1 stays a float), by the race with Exp(1) noise",
+         "in _sample, build float tensors of the temperatures and top_ps and an int64 one of the top_ks, then "
+         "sample(probabilities(...), noise) with noise drawn by exponential_()"),
     Rule("stats-count-once",
          "LLM.stats counts each thing once: a step is one prefill or one decode step, a preemption once per "
          "request sent back, a cached prefix once per admission, a chunked prefill once per step that leaves a "
