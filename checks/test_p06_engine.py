@@ -252,12 +252,16 @@ def counted(n: int, unit: str) -> str:
 
 
 def expect_count(run: Run, name: str, check, wanted: str) -> None:
-    """`run.stats[name]` passes `check`; `check` None: preemptions, as many as p05's contract makes on the run."""
+    """`run.stats[name]` passes `check`; `check` None: as many as p05's contract makes on the run (preemptions,
+    chunked prefills)."""
     value = run.stats.get(name)
-    if check is None:
-        n = contract_preemptions(run)
+    if check is None and name == "preemptions":
+        n = contract_counts(run)[name]
         check, wanted = (lambda v: v == n), f"{counted(n, 'preemption')} ({wanted}; a request counts once each " \
                                              "time a step sends it back to waiting, not at every step it waits)"
+    elif check is None:
+        n = contract_counts(run)[name]
+        check, wanted = (lambda v: v == n), f"{n} ({wanted})"
     if type(value) is not int or not check(value):
         raise Mismatch(f"LLM.stats[{name!r}] is {value!r}, expected {wanted}", "stats-count-once")
 
@@ -623,7 +627,9 @@ def test_preemption_keeps_the_tokens(request, impl, seed):
                       ("preemptions", None, "three requests needing 3 to 4 blocks each share 6 blocks"),
                       ("tokens_out", lambda n: n == 3 * 7,
                        "21 sampled tokens (3 requests, 7 each): a recomputed request samples only once its every "
-                       "token is computed again"))
+                       "token is computed again"),
+                      ("chunked_prefills", None, "the prefill steps p05's rules leave a request incomplete in: "
+                       "its prompt, or a recomputation with its completion tokens"))
     # three prompts of 3 tokens in 3 blocks: the first decode step that needs a block sends both others back at once
     greedy_against_hf(request, impl, seed, ONE_HEAD, (3, 3, 3), Params(max_tokens=3),
                       Config(num_blocks=3, max_num_batched_tokens=PREEMPTION_BUDGET), "with two preempted in a step",
@@ -633,9 +639,10 @@ def test_preemption_keeps_the_tokens(request, impl, seed):
 PREEMPTION_BUDGET = 4  # the preemption check's token budget: prompts and recomputations go in chunks
 
 
-def contract_preemptions(run: Run) -> int:
-    """How many times p05's contract preempts a request on this run: its model of the scheduler (the one p05's
-    checks hold a learner's scheduler to) fed the prompts and the very tokens the engine gave."""
+def contract_counts(run: Run) -> dict:
+    """How many times p05's contract preempts a request on this run, and how many of its prefill steps leave a
+    request's tokens incomplete (chunked prefills): its model of the scheduler (the one p05's checks hold a learner's
+    scheduler to) fed the prompts and the very tokens the engine gave."""
     from checks.test_p05_scheduler import Model
 
     c, params = run.config, run.params
@@ -644,13 +651,15 @@ def contract_preemptions(run: Run) -> int:
     model.preempt = lambda r: (preempted.append(r), preempt(r))
     requests = [model.add(i, list(prompt), p.max_tokens, p.ignore_eos) for i, (prompt, p) in
                 enumerate(zip(run.prompts, params))]
+    chunked = 0
     for _ in range(10_000):  # every step computes at least one token: far more steps than the run can take
         if model.finished():
             break
-        batch, _ = model.schedule()
+        batch, is_prefill = model.schedule()
+        chunked += is_prefill and any(r.computed + r.scheduled < len(r.tokens) for r in batch)
         model.postprocess(batch, [run.outputs[requests.index(r)][len(r.tokens) - r.prompt_len]
                                   if r.computed + r.scheduled == len(r.tokens) else -1 for r in batch])
-    return len(preempted)
+    return {"preemptions": len(preempted), "chunked_prefills": chunked}
 
 
 CHUNK_BUDGET = 5  # the token budget that chunks the prompts of 13, 7 and 4 tokens
@@ -717,17 +726,26 @@ def expect_chunk_stores_only_its_tokens(impl, seed: int) -> None:
                            f"is what p01's Sequence takes as cached)")
 
 
+def ran_a_step(llm) -> bool:
+    """Whether the engine counted a step (its stats, where it keeps them)."""
+    try:
+        stats = dict(llm.stats)
+        return bool(stats.get("prefill_steps") or stats.get("decode_steps"))
+    except (LearnerError, TypeError, ValueError):
+        return False
+
+
 def test_generate_refuses_a_request_longer_than_max_model_len(impl, seed):
     """LLM.generate refuses, with a ValueError, a request whose prompt and max_tokens together pass max_model_len
     (and a params list that is not one per prompt), and serves one that fills it exactly"""
     gen = torch.Generator().manual_seed(seed)
     prompt = random_prompts(gen, SHAPES[ONE_HEAD][0], (10,))[0]
+    budgeted = impl.LLM(on_device(weights(seed, ONE_HEAD)), Config(max_model_len=16, max_num_batched_tokens=8))
     try:  # the token budget bounds a step, not a request: a longer prompt is prefilled in chunks
-        impl.LLM(on_device(weights(seed, ONE_HEAD)), Config(max_model_len=16, max_num_batched_tokens=8)).generate(
-            [list(prompt)], [Params(max_tokens=2)])
+        budgeted.generate([list(prompt)], [Params(max_tokens=2)])
     except LearnerError as error:
-        if "raised ValueError" not in str(error):
-            raise
+        if "raised ValueError" not in str(error) or ran_a_step(budgeted):
+            raise  # (a ValueError once a step ran is the engine's failure while serving, not a refusal)
         raise LearnerError(f"{error} · LLM.generate refused a prompt of 10 tokens with max_tokens 2 under "
                            "max_model_len 16 and a token budget of 8: the budget bounds one step (a longer prompt "
                            "is prefilled in chunks), max_model_len bounds the request",
