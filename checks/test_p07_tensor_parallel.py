@@ -24,6 +24,7 @@ from checks.harness.oracles import (
     ModelCase,
     ModelWeights,
     hf_causal_lm,
+    hf_first_layer_keys,
     hf_greedy,
     model_case,
     rope_tables,
@@ -488,7 +489,7 @@ CHUNKED_CALLS = ((0, 5), (5, 7), (7, 8))  # tokens start .. stop - 1 of each cal
 
 def test_chunked_calls_with_caches(impl, seed):
     """prefill in two chunks, then a decode step, with one KVCache per layer on every rank: HF's logits, and
-    each rank's cache holds only its own kv heads"""
+    each rank's cache holds HF's keys of its own kv heads"""
     tp, layout = SPLITS["tp2-H8-KVH4"]
     case = hf_case(seed, layout, torch.float32, 8)
     group = ranks(impl, tp)
@@ -517,6 +518,16 @@ def test_chunked_calls_with_caches(impl, seed):
         if not isinstance(shapes, list) or [s[1] if len(s) == 3 else None for s in shapes] != [kvh] * len(shapes):
             raise Mismatch(f"rank {rank}'s layer-0 cache holds chunks {shapes}: each rank keeps its own "
                            f"KVH / tp = {kvh} kv heads", "caches-per-layer-and-rank")
+    keys = hf_first_layer_keys(case.w, case.prompt)  # [T, KVH, D]: normed, rotated at positions 0 .. T-1
+    for rank in range(tp):  # (the logits cannot tell: every position shifted alike leaves RoPE's scores as they are)
+        held = torch.cat(list(attribute(caches[rank][0], "k")))
+        try:
+            expect_close(held, keys[:, rank * kvh : (rank + 1) * kvh], tol, f"rank {rank}'s layer-0 cached keys")
+        except Mismatch as failure:  # (a LearnerError: a replay compares the ranks' results, not their caches, so
+            # every mutant whose logits are right here would seem to give these keys)
+            raise LearnerError(f"{failure} · a cache holds each token's key normed and rotated at the token's own "
+                               f"position (0 .. {len(case.prompt) - 1} over the three calls), for the rank's kv "
+                               f"heads {rank * kvh} .. {(rank + 1) * kvh - 1}", rule="model-forward") from None
 
 
 def cached_tokens(cache) -> int | object:
