@@ -416,9 +416,10 @@ class Guarded:
         watch = self.watch is not None
         rng_seed = RNG_SEED + self.calls_made  # a learner's draws from torch's global generator repeat run after run,
         self.calls_made += 1  # and differ from one call to the next, as an unseeded generator's would
-        if isinstance(target, tuple):  # (object, method name): one request, not a read then a call; `watch` last,
-            message = ("method", target[0], target[1], name, args, kwargs, write_keys, rng_seed, watch)  # worker.py
-        else:  # reads it there
+        # `watch` goes last: worker.py reads it there, to measure the sandbox's memory during the call
+        if isinstance(target, tuple):  # (object, method name): one request, not a read then a call
+            message = ("method", target[0], target[1], name, args, kwargs, write_keys, rng_seed, watch)
+        else:
             message = ("call", target, name, args, kwargs, write_keys, rng_seed, watch)
         started, cpu = time.perf_counter(), None
         try:
