@@ -559,12 +559,12 @@ class Driver:
         for name, queue in model_live.items():  # a request the model still serves, lost from both queues here
             if name not in live and name not in finished and name in self.before["waiting"] + self.before["running"]:
                 # a request the model preempted: did preempt run on it (its blocks freed) and then lose it, or not?
-                kept = name in self.facts.preempted and bool(self.read(self.remotes[name], "block_table", name))
+                held = self.read(self.remotes[name], "block_table", name) if name in self.facts.preempted else []
+                kept = bool(held)
                 self.fail(f"{where}: {name} is in neither waiting nor running, but it has not finished (expected in "
                           f"{queue}): a step puts every request it takes back in a queue" + (
-                              f"; it still holds blocks {self.read(self.remotes[name], 'block_table', name)}, so it "
-                              f"was never preempted: a request that finds no slot with no other left to preempt "
-                              f"preempts itself" if kept else ""),
+                              f"; it still holds blocks {held}, so it was never preempted: a request that finds no "
+                              f"slot with no other left to preempt preempts itself" if kept else ""),
                           "running-in-start-order" if name in self.before["running"] and queue == "running"
                           else "complete-prompt-runs" if name in self.facts.completed and queue == "running"
                           else "preempt-the-newest" if kept

@@ -298,35 +298,31 @@ def test_column_row_and_merged_shards(impl, gen, tp):
                                {"column_shard": "column-shard", "row_shard": "row-shard"}.get(name,
                                                                                               "merged-shard-part-by-part"))
     if tp > 1:
-        odd_columns = torch.randn(8, 5, generator=gen)  # columns the world does not divide: column_shard splits rows
-        try:
-            got = impl.column_shard(odd_columns.clone(), 1, 4)
-        except LearnerError as error:
-            if "raised ValueError" not in str(error):
-                raise
-            raise Mismatch("column_shard of an [8, 5] weight over 4 ranks raised ValueError: it splits the rows, so "
-                           "only they must divide (the 5 columns stay whole)", "column-shard") from None
-        if not isinstance(got, torch.Tensor) or not torch.equal(got, rows_of(odd_columns, 1, 4)):
-            raise Mismatch("column_shard of an [8, 5] weight, rank 1 of 4: expected its rows 2..3, every column",
-                           "column-shard")
+        # columns the world does not divide: column_shard splits the rows, and raises nothing
+        expect_other_side_split(impl, "column_shard", torch.randn(8, 5, generator=gen), rows_of, "rows", "columns")
         expect_value_error(lambda: impl.column_shard(torch.randn(6, 4, generator=gen), 0, 4),
                            "column_shard of 6 rows over 4 ranks")
         expect_value_error(lambda: impl.row_shard(torch.randn(4, 6, generator=gen), 0, 4),
                            "row_shard of 6 columns over 4 ranks")
-        odd_rows = torch.randn(5, 8, generator=gen)  # rows the world does not divide: row_shard splits the columns
-        try:
-            got = impl.row_shard(odd_rows.clone(), 1, 4)
-        except LearnerError as error:
-            if "raised ValueError" not in str(error):
-                raise
-            raise Mismatch("row_shard of a [5, 8] weight over 4 ranks raised ValueError: it splits the columns, so "
-                           "only they must divide (the 5 rows stay whole)", "row-shard") from None
-        if not isinstance(got, torch.Tensor) or not torch.equal(got, columns_of(odd_rows, 1, 4)):
-            raise Mismatch("row_shard of a [5, 8] weight, rank 1 of 4: expected its columns 2..3 of every row",
-                           "row-shard")
+        # rows the world does not divide: row_shard splits the columns, and raises nothing
+        expect_other_side_split(impl, "row_shard", torch.randn(5, 8, generator=gen), columns_of, "columns", "rows")
         # the whole divides (8 rows over 2 ranks), one part does not (3): each part is sharded on its own
         expect_value_error(lambda: impl.merged_column_shard(torch.randn(8, 4, generator=gen), [3, 5], 0, 2),
                            "merged_column_shard of parts [3, 5] over 2 ranks")
+
+
+def expect_other_side_split(impl, name: str, weight: torch.Tensor, block_of, split: str, kept: str) -> None:
+    """`name` of `weight` over 4 ranks (8 of what it splits, 5 of what it keeps whole) gives rank 1 its block."""
+    what, rule = f"{name} of a weight of shape {list(weight.shape)} over 4 ranks", REFUSAL_RULES[name]
+    try:
+        got = getattr(impl, name)(weight.clone(), 1, 4)
+    except LearnerError as error:
+        if "raised ValueError" not in str(error):
+            raise
+        raise Mismatch(f"{what} raised ValueError: it splits the {split}, so only they must divide (the 5 {kept} "
+                       f"stay whole)", rule) from None
+    if not isinstance(got, torch.Tensor) or not torch.equal(got, block_of(weight, 1, 4)):
+        raise Mismatch(f"{what}, rank 1: expected its {split} 2..3, all 5 {kept}", rule)
 
 
 def expect_value_error(call, what: str) -> None:
