@@ -1194,18 +1194,19 @@ def test_decoded_requests_keep_their_order(impl):
 
 def test_requests_finish_on_eos_unless_ignore_eos_and_at_max_tokens(impl):
     """a request finishes on the eos token (unless ignore_eos) or with exactly max_tokens completion tokens"""
-    d = Driver(impl, 8, 4, 4, 16, eos_token_id=0)
+    eos = 151645  # Qwen3's <|im_end|>: a token id is an int to compare with ==, past the small ints Python shares
+    d = Driver(impl, 8, 4, 4, 16, eos_token_id=eos)
     d.add(0, [1], 3)
     d.add(1, [2], 3, ignore_eos=True)
     d.add(2, [3], 2)
-    _, _, finished = d.step({"A": 5, "B": 0, "C": 6})  # B samples eos but ignores it
+    _, _, finished = d.step({"A": 5, "B": eos, "C": 6})  # B samples eos but ignores it
     d.expect("step 1: the list of finished requests", finished, [])
-    _, _, finished = d.step({"A": 0, "B": 0, "C": 7})  # A stops on eos; C has its 2 tokens
+    _, _, finished = d.step({"A": eos, "B": eos, "C": 7})  # A stops on eos; C has its 2 tokens
     d.expect("step 2: the list of finished requests", finished, ["A", "C"])
     _, _, finished = d.step({"B": 8})  # B's third token: max_tokens
     d.expect("step 3: the list of finished requests", finished, ["B"])
     d.check_finished()
-    d.expect("at the end: B's completion tokens", d.request("B").tokens[1:], [0, 0, 8])
+    d.expect("at the end: B's completion tokens", d.request("B").tokens[1:], [eos, eos, 8])
 
 
 def test_a_finished_request_gives_its_blocks_back(impl):
