@@ -48,7 +48,7 @@ def guesses() -> dict[str, list[str]]:
     names listed after "; also " as just as fair."""
     rows = {}
     for line in (MISTAKES / "README.md").read_text().splitlines():
-        cells = [c.strip().strip("`") for c in line.strip().strip("|").split("|")]
+        cells = [c.strip().strip("`") for c in re.split(r"(?<!\\)\|", line.strip().strip("|"))]  # "\|": a pipe
         if len(cells) == 3 and re.fullmatch(r"p\d\d-[\w-]+", cells[0]):
             first, _, also = cells[2].partition("; also ")
             rows[cells[0]] = [name.strip().strip("`") for name in [first, *also.split(",")] if name.strip()]

@@ -362,7 +362,8 @@ class Driver:
         free_before = set(self.model.cache.free)
         expected, expected_prefill = self.model.schedule()
         self.facts = Facts(expected_prefill, {r.name for r in self.model.waiting if r.name in running_before},
-                           {r.name: r.computed for r in expected if expected_prefill and r.name not in holding},
+                           {r.name: r.computed for r in [*expected, *self.model.waiting]  # a deferred one got them too
+                            if expected_prefill and r.table and r.name not in holding},
                            {r.name for r in expected if r.computed + r.scheduled < len(r.tokens)},
                            {r.name for r in expected if expected_prefill and r.computed + r.scheduled == len(r.tokens)},
                            free_before - set(self.model.cache.free))
@@ -521,9 +522,13 @@ class Driver:
                       f"{self.max_num_seqs}", "seq-cap")
         idle = [name for name, n in batch if n < 1]
         if idle:
+            first = next(i for i, (_, n) in enumerate(batch) if n < 1)
+            left = self.budget - sum(n for _, n in batch[:first])  # the budget left when the step took it
+            rule = "one-kind-a-step" if not is_prefill else "token-budget" if left < 1 else \
+                "cost-is-what-is-not-computed"  # budget was left: its cost came out below 1
             self.fail(f"{at}: the batch {batch_text(batch)} (request and num_scheduled_tokens) schedules no token "
-                      f"for {ids(idle)}: every request in a batch computes at least 1 token",
-                      "token-budget" if is_prefill else "one-kind-a-step")
+                      f"for {ids(idle)}: every request in a batch computes at least 1 token"
+                      + f" ({left} of the budget was left)" * (rule == "cost-is-what-is-not-computed"), rule)
         total = sum(n for _, n in batch)
         if is_prefill and total > self.budget:
             self.fail(f"{at}: the prefill batch {batch_text(batch)} computes {total} tokens, over "
@@ -748,6 +753,8 @@ class Driver:
             first, cached = names[0], self.facts.allocated.get(names[0], 0)
             if first in self.facts.chunked and want[0][1] == self.budget and seen[0][1] < want[0][1]:
                 return "token-budget"  # cut to less than the whole budget, which the model's chunk takes
+            if seen[0][1] < want[0][1] and self.queue("waiting")[:1] == [first]:
+                return "token-budget"  # cut short and kept as a chunk: it counted a smaller budget than there was
             tokens, table = self.request(first).tokens, self.request(first).table
             if len(table) > -(-len(tokens) // self.size):  # more blocks than its tokens need: given blocks twice;
                 # allocated again although it held its blocks (a chunk): its progress is set again too
@@ -1193,10 +1200,11 @@ def test_decoded_requests_keep_their_order(impl):
 
 
 def test_requests_finish_on_eos_unless_ignore_eos_and_at_max_tokens(impl):
-    """a request finishes on the eos token (unless ignore_eos) or with exactly max_tokens completion tokens"""
+    """a request finishes on the eos token it samples (unless ignore_eos) or with exactly max_tokens completion
+    tokens"""
     eos = 151645  # Qwen3's <|im_end|>: a token id is an int to compare with ==, past the small ints Python shares
     d = Driver(impl, 8, 4, 4, 16, eos_token_id=eos)
-    d.add(0, [1], 3)
+    d.add(0, [eos, 1], 3)  # a prompt may hold the stop token: only a sampled one stops the request
     d.add(1, [2], 3, ignore_eos=True)
     d.add(2, [3], 2)
     _, _, finished = d.step({"A": 5, "B": eos, "C": 6})  # B samples eos but ignores it

@@ -466,7 +466,7 @@ def test_collectives(impl, seed):
 @pytest.mark.parametrize("split", SPLITS)
 def test_model_matches_hf(impl, seed, gen, split, dtype):
     """tp_model_forward: rank 0's logits for every position (all_logits) or the last one match HF Qwen3ForCausalLM,
-    the others return None"""
+    the others return None, and a bf16 model's caches hold bf16 keys"""
     tp, layout = SPLITS[split]
     P = int(torch.randint(4, 10, (), generator=gen))
     case = hf_case(seed, layout, dtype, P)
@@ -478,6 +478,18 @@ def test_model_matches_hf(impl, seed, gen, split, dtype):
                                                     for r in range(tp)])
     logits = only_rank_zero(out, "tp_model_forward")
     expect_close(logits, case.logits, tolerance("model", dtype), f"rank 0's logits ({P} tokens, {tp} ranks)")
+    if dtype != torch.float32:  # a half-precision model's caches hold its dtype (keys rotated by float32 tables
+        # are float32: twice the memory, rounded otherwise than HF's, and the logits cannot tell)
+        group = ranks(impl, tp)
+        caches = [[group.make_on(r, "KVCache") for _ in case.w.layers] for r in range(tp)]
+        group.call("tp_model_forward", [(rank_model(case.w, r, tp), case.prompt, caches[r]) for r in range(tp)])
+        for rank in range(tp):
+            chunks = attribute(caches[rank][0], "k")
+            held = sorted({str(c.dtype).removeprefix("torch.") for c in chunks}) if isinstance(chunks, list) else chunks
+            if held != [str(dtype).removeprefix("torch.")]:
+                raise Mismatch(f"rank {rank}'s layer-0 cache holds keys of dtype {held} in a "
+                               f"{str(dtype).removeprefix('torch.')} model: keys and values keep the model's dtype "
+                               f"(the RoPE tables too: rope_cos_sin(..., dtype))", "model-forward")
 
 
 CHUNKED_CALLS = ((0, 5), (5, 7), (7, 8))  # tokens start .. stop - 1 of each call: two prefill chunks, a decode step
