@@ -414,6 +414,8 @@ class Driver:
                              "slot and puts it back, so token_ids come out as they went in" if not is_prefill else
                              "a prefill step leaves token_ids as they are"),
                           "decode-takes-a-slot" if not is_prefill else "postprocess-appends-the-token")
+            if not is_prefill and len(mine) % self.size == 0:  # its token filled its last block: sealed for the cache
+                self.expect_sealed(at, name, self.scheduled_tables[name])
         finished = self.scheduler.postprocess(batch, tokens)
         if not isinstance(finished, list | tuple):
             self.fail(f"{at}: postprocess returned {self.shown(finished)}, expected the list of finished requests", "-")
@@ -441,6 +443,22 @@ class Driver:
                 raise RuntimeError("the model did not finish: the check's case is wrong")
             self.step(sampled)
         self.check_finished()
+
+    def expect_sealed(self, at: str, name: str, table: list[int]) -> None:
+        """A block a decode token fills is sealed (a hash other than -1), as the model's is: the prefix cache serves it."""
+        if not table:
+            return  # the comparison of its blocks says what is wrong
+        try:
+            sealed = self.scheduler.block_manager.blocks[table[-1]].hash
+        except LearnerError:
+            raise
+        except Exception as error:  # noqa: BLE001
+            raise LearnerError(f"reading block_manager.blocks[{table[-1]}].hash raised {type(error).__name__}: "
+                               f"{error}") from None
+        if sealed == -1:
+            self.fail(f"{at}: {name}'s decode token fills its block {table[-1]}, whose hash is still -1: the token "
+                      f"goes back through BlockManager.append, which seals the block it fills so that the prefix "
+                      f"cache can serve it to a later request", "decode-takes-a-slot")
 
     # -- reading the learner's side --
     def shown(self, value) -> str:
@@ -667,6 +685,11 @@ class Driver:
             if status != FINISHED:
                 self.fail(f"{where}: {name} has finished but its status is {status!r}, expected {FINISHED!r}",
                           "finished-leaves")
+            computed = self.read(self.remotes[name], "num_computed_tokens", name)
+            if computed != self.models[name].computed:  # its blocks are freed, its count stays as the step left it
+                self.fail(f"{where}: finished {name}'s num_computed_tokens is {computed!r}, expected "
+                          f"{count(self.models[name].computed, 'computed token')}: postprocess adds the step's "
+                          f"tokens to every request of the batch, a finished one's too", "computed-grows-by-the-step")
 
     def check_finished(self) -> None:
         """At the end: nothing waits or runs, and every request has exactly the model's completion tokens."""

@@ -433,8 +433,16 @@ def test_probabilities_masks_are_exact(impl, gen):
     if got.dtype != torch.float32:
         raise Mismatch(f"probabilities of bfloat16 logits returned {got.dtype}, expected torch.float32: compute the "
                        f"distribution in float32 whatever the logits' dtype", "probabilities-by-definition")
-    expect_close(got, expected_probabilities(half.float(), temperature, top_k, top_p).float(),
-                 tolerance("sampler", torch.float32), "the probabilities of the same logits in bfloat16")
+    expected = expected_probabilities(half.float(), temperature, top_k, top_p)
+    try:
+        expect_close(got, expected.float(), tolerance("sampler", torch.float32),
+                     "the probabilities of the same logits in bfloat16")
+    except Mismatch as failure:  # the row's rule, read as for float32 logits (a division in bfloat16: its ratios)
+        wrong = ((got.double() - expected).abs() > 1e-5).any(-1).nonzero().flatten().tolist()
+        rule = mask_rule(half.float(), temperature, top_k, top_p, got, wrong[0]) if wrong else \
+            "probabilities-by-definition"
+        hint = " (cast the logits to float32 before dividing by the temperature)" * (rule == "temperature-divides")
+        raise Mismatch(f"{failure}{hint}", rule) from None
     # a batch whose only mask is a top_k of 1 (beside a row without one): the masks still run
     rows = (logits[:2].clone(), torch.tensor([0.7, 1.3]), torch.tensor([1, 0]), torch.ones(2))
     got = impl.probabilities(*(t.clone() for t in rows))
@@ -633,15 +641,17 @@ def test_preemption_keeps_the_tokens(request, impl, seed):
     # three prompts of 3 tokens in 3 blocks: the first decode step that needs a block sends both others back at once
     greedy_against_hf(request, impl, seed, ONE_HEAD, (3, 3, 3), Params(max_tokens=3),
                       Config(num_blocks=3, max_num_batched_tokens=PREEMPTION_BUDGET), "with two preempted in a step",
-                      ("preemptions", None, "one step preempts two of the three requests"))
+                      ("preemptions", None, "one step preempts two of the three requests"),
+                      ("cached_tokens", None, "the cached prefix of every admission, a recomputation's included: "
+                       "a preempted request's full block stays cached until another request takes it"))
 
 
 PREEMPTION_BUDGET = 4  # the preemption check's token budget: prompts and recomputations go in chunks
 
 
 def contract_counts(run: Run) -> dict:
-    """How many times p05's contract preempts a request on this run, and how many of its prefill steps leave a
-    request's tokens incomplete (chunked prefills): its model of the scheduler (the one p05's checks hold a learner's
+    """How many times p05's contract preempts a request on this run, how many of its prefill steps leave a
+    request's tokens incomplete (chunked prefills) and how many cached tokens its admissions start with: its model of the scheduler (the one p05's checks hold a learner's
     scheduler to) fed the prompts and the very tokens the engine gave."""
     from checks.test_p05_scheduler import Model
 
@@ -649,6 +659,8 @@ def contract_counts(run: Run) -> dict:
     model = Model(c.num_blocks, c.block_size, c.max_num_seqs, c.max_num_batched_tokens, c.eos_token_id)
     preempted, preempt = [], model.preempt
     model.preempt = lambda r: (preempted.append(r), preempt(r))
+    cached, allocate = [], model.cache.allocate  # the cached prefix each admission starts with
+    model.cache.allocate = lambda tokens: (found := allocate(tokens), cached.append(found[1]))[0]
     requests = [model.add(i, list(prompt), p.max_tokens, p.ignore_eos) for i, (prompt, p) in
                 enumerate(zip(run.prompts, params))]
     chunked = 0
@@ -659,7 +671,7 @@ def contract_counts(run: Run) -> dict:
         chunked += is_prefill and any(r.computed + r.scheduled < len(r.tokens) for r in batch)
         model.postprocess(batch, [run.outputs[requests.index(r)][len(r.tokens) - r.prompt_len]
                                   if r.computed + r.scheduled == len(r.tokens) else -1 for r in batch])
-    return {"preemptions": len(preempted), "chunked_prefills": chunked}
+    return {"preemptions": len(preempted), "chunked_prefills": chunked, "cached_tokens": sum(cached)}
 
 
 CHUNK_BUDGET = 5  # the token budget that chunks the prompts of 13, 7 and 4 tokens
