@@ -416,6 +416,12 @@ class Driver:
                           "decode-takes-a-slot" if not is_prefill else "postprocess-appends-the-token")
             if not is_prefill and len(mine) % self.size == 0:  # its token filled its last block: sealed for the cache
                 self.expect_sealed(at, name, self.scheduled_tables[name])
+        for name, cached in self.facts.allocated.items() if self.follow_model else ():  # p06 counts what it says
+            found = self.read(self.remotes[name], "num_cached_tokens", name)
+            if found != cached:
+                self.fail(f"{at}: after schedule, {name}'s num_cached_tokens is {found!r}, expected "
+                          f"{count(cached, 'cached token')}: allocate sets it to what the prefix cache served, "
+                          f"and nothing after it changes it", "cached-prefix-is-computed")
         finished = self.scheduler.postprocess(batch, tokens)
         if not isinstance(finished, list | tuple):
             self.fail(f"{at}: postprocess returned {self.shown(finished)}, expected the list of finished requests", "-")
@@ -784,9 +790,9 @@ class Driver:
                 return "cached-prefix-is-computed" if first in self.holding else "blocks-accounted"
             if cached and seen[0][1] == want[0][1] + cached:
                 return "cached-prefix-is-computed"
-            if first not in self.facts.allocated and \
-                    self.read(self.remotes[first], "num_computed_tokens", first) != self.models[first].computed:
-                return "cached-prefix-is-computed"  # it held its blocks already: its progress was set again
+            if self.read(self.remotes[first], "num_computed_tokens", first) != self.models[first].computed:
+                return "cached-prefix-is-computed"  # its progress set otherwise: from what allocate found, or
+                # again although it held its blocks already
             return "cost-is-what-is-not-computed"
         if names == wanted:
             return "only-the-first-is-chunked"  # a later request's count differs
@@ -800,6 +806,11 @@ class Driver:
 
     def queue_rule(self, field: str, got: list[str], want: list[str]) -> str:
         f = self.facts
+        twice = [name for i, name in enumerate(got) if name in got[:i]]
+        if twice:  # a request queued again where it stood already
+            name = twice[0]
+            return "a-chunk-stays-first" if name in f.chunked else "preempted-come-back-first" if name in \
+                f.preempted else "complete-prompt-runs" if field == "running" else "waiting-in-order"
         if sorted(got) == sorted(want):  # the same requests in another order
             if field == "running":
                 return "running-in-start-order"

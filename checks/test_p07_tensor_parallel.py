@@ -561,7 +561,8 @@ def greedy_case(seed: int) -> tuple[ModelCase, torch.Tensor]:
 
 
 def test_greedy_matches_hf_generate(impl, seed):
-    """tp_generate_greedy on 2 ranks: every rank returns HF generate's 8 greedy tokens"""
+    """tp_generate_greedy on 2 ranks: every rank returns HF generate's 8 greedy tokens, each token it feeds back
+    broadcast from rank 0"""
     case, expected = greedy_case(seed)
     tp = GREEDY_RANKS
     group = ranks(impl, tp)
@@ -578,6 +579,7 @@ def test_greedy_matches_hf_generate(impl, seed):
     # what each forward fed, read from the rows of its embedding's all_reduce (the first after a broadcast)
     hidden, P = case.w.embed_tokens.shape[1], len(case.prompt)
     for rank, made in enumerate(group.shapes):
+        tokens = out[rank]
         fed = [math.prod(shape) // hidden for k, (name, shape) in enumerate(made) if name == "all_reduce" and shape
                and (k == 0 or made[k - 1][0] == "broadcast")]
         if fed[:1] != [P] or any(n != 1 for n in fed[1:]):
@@ -590,3 +592,11 @@ def test_greedy_matches_hf_generate(impl, seed):
             hint = " · are the other ranks given rank 0's token (a broadcast) before the next step?" if rank else ""
             raise Mismatch(f"rank {rank}: token {step} is {int(tokens[step])}, HF generate chose "
                            f"{int(expected[step])} (HF: {expected.tolist()}){hint}")
+    for rank, made in enumerate(group.shapes):  # right tokens, and each one fed back came from rank 0 by a broadcast
+        names = [name for name, _ in made]
+        if names.count("broadcast") < GREEDY_TOKENS - 1:
+            others = count_words([n for n in names if n not in ("all_reduce", "gather", "all_gather")])
+            raise LearnerError(f"rank {rank} made {names.count('broadcast')} broadcast calls in tp_generate_greedy "
+                               f"(and {others} besides the forwards' all_reduce and gather), expected one per token "
+                               f"fed back, {GREEDY_TOKENS - 1} at least: rank 0's argmax reaches every rank by "
+                               f"dist.broadcast(token, src=0)", rule="greedy-broadcasts")
