@@ -451,7 +451,8 @@ class Driver:
         self.check_finished()
 
     def expect_sealed(self, at: str, name: str, table: list[int]) -> None:
-        """A block a decode token fills is sealed (a hash other than -1), as the model's is: the prefix cache serves it."""
+        """A block a decode token fills is sealed (a hash other than -1), as the model's is: the prefix cache serves
+        it."""
         if not table:
             return  # the comparison of its blocks says what is wrong
         try:
@@ -636,6 +637,10 @@ class Driver:
             if seen.status != status:
                 self.fail(f"{where}: {name} is in {queue} but its status is {seen.status!r}, expected {status!r}",
                           "preempt-resets" if name in self.facts.preempted else "status-follows-queue")
+            if name in running and self.follow_model and seen.tokens != self.models[name].tokens:
+                mine = self.models[name].tokens  # a token too many or too few: the blocks it holds follow from them
+                self.fail(f"{where}: {name}'s token_ids is {differing(seen.tokens, mine)}",
+                          self.tokens_rule(name, seen.tokens, mine))
             if name in running:
                 need = -(-(len(seen.tokens) - 1) // self.size)  # every token but the last, sampled last step
                 if len(seen.table) != need:
@@ -1265,12 +1270,13 @@ def test_a_finished_request_gives_its_blocks_back(impl):
 
 
 def test_add_refuses_what_the_cache_cannot_hold(impl):
-    """add refuses a request the whole cache could never hold, max_tokens 0 and an empty prompt, and a scheduler with
-    no request schedules nothing"""
+    """add refuses a request the whole cache could never hold, max_tokens 0 or -1 and an empty prompt, and a
+    scheduler with no request schedules nothing"""
     d = Driver(impl, 3, 2, 4, 16)
     d.add(0, [1, 2, 3, 4, 5, 6, 7], 1)  # 4 blocks for the prompt alone: refused
     d.add(1, [1, 2], 6)  # 2 + 6 - 1 tokens need 4 blocks: refused
     d.add(3, [1, 2], 0)  # no token asked for: refused
+    d.add(5, [1, 2], -1)  # fewer than none: refused too (below 1, not only 0)
     d.add(4, [], 2)  # no prompt: refused
     got = d.scheduler.schedule()
     d.expect("what schedule() returns with no request", got, ([], False))

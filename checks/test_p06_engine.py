@@ -505,6 +505,11 @@ def mask_rule(logits, temperature, top_k, top_p, got, b: int) -> str:
     want = expected_probabilities(logits[b : b + 1], temperature[b : b + 1], top_k[b : b + 1], top_p[b : b + 1])[0]
     if t == 0:
         return "greedy-one-hot"
+    for q in sorted(set(top_p.tolist()) - {p}):  # the tokens it keeps are those another row's top_p keeps
+        other = expected_probabilities(logits[b : b + 1], temperature[b : b + 1], top_k[b : b + 1],
+                                       torch.tensor([q]))[0]
+        if bool(((other > 0) == (mine > 0)).all()) and bool(((want > 0) != (mine > 0)).any()):
+            return "top-p-smallest-set"  # the row was cut at another row's p
     top_k_alone = expected_probabilities(logits[b : b + 1], temperature[b : b + 1], top_k[b : b + 1], torch.ones(1))[0]
     # the kept probabilities before their renormalisation: of the whole row, or of what top-k kept
     unnormalised = [torch.softmax(row / t, -1) * (want > 0), top_k_alone * (want > 0)]
@@ -900,9 +905,13 @@ HOT = 1000.0
 HOT_TOKENS = 5
 
 
+SQUEEZED_BLOCKS = 4  # the seeded request behind a greedy one, both of 5 tokens at most: it is preempted once
+
+
 def test_seeded_requests_do_not_depend_on_the_batch(request, impl, seed):
-    """a seeded request samples the same tokens alone, in a chunked batch with others and behind a greedy request,
-    and its generator goes on from step to step; requests without a seed draw from the engine's generator"""
+    """a seeded request samples the same tokens alone, in a chunked batch with others, behind a greedy request and
+    preempted by it, and its generator goes on from step to step; requests without a seed draw from the engine's
+    generator"""
     layout = "L2-H2-KVH1-D16"
     gen = torch.Generator().manual_seed(seed)
     prompts = random_prompts(gen, 64, (9, 5, 6))
@@ -916,6 +925,9 @@ def test_seeded_requests_do_not_depend_on_the_batch(request, impl, seed):
               [Params(temperature=HOT, max_tokens=HOT_TOKENS, seed=0)], Config())  # 0 is a seed too
     mixed = Run(hot.w, prompts[2:3] + prompts[1:2], [Params(max_tokens=HOT_TOKENS)] + hot.params, Config())
     other_seed = Run(hot.w, hot.prompts, [Params(temperature=HOT, max_tokens=HOT_TOKENS, seed=1)], Config())
+    # ... and sent back by a cache of 4 blocks (the greedy request's 7th token opens a third): recomputed, it goes on
+    # drawing where its generator was, not from its seed again
+    squeezed = Run(hot.w, mixed.prompts, mixed.params, Config(num_blocks=SQUEEZED_BLOCKS))
     # ... and without a seed: two twins in one batch draw apart, and two engines made alike draw alike, from the
     # generator __init__ seeds, which goes on from one generate to the next
     unseeded = [Run(hot.w, prompts[1:2] * 2, [Params(temperature=HOT, max_tokens=HOT_TOKENS)] * 2, Config())
@@ -953,6 +965,12 @@ def test_seeded_requests_do_not_depend_on_the_batch(request, impl, seed):
             raise Mismatch(f"the seeded request at temperature {HOT:g} gave {tokens} alone and {mixed.outputs[1]} "
                            "behind a greedy request: each row samples at its own temperature (all argmax only when "
                            "every row is greedy)")
+        engine(impl, squeezed)
+        if squeezed.outputs[1] != tokens:
+            raise Mismatch(f"the seeded request at temperature {HOT:g} gave {tokens} alone and {squeezed.outputs[1]} "
+                           f"when {SQUEEZED_BLOCKS} cache blocks made the scheduler preempt it and compute it again: "
+                           f"its generator is made once, when it is added, and goes on where it was after a "
+                           f"preemption", "seeded-own-generator")
         if len(set(tokens)) == 1:
             raise Mismatch(f"a seeded request at temperature {HOT:g} (its 64 tokens all but equally likely) gave "
                            f"{tokens}: the same token {len(tokens)} times, as if every step drew the same noise. Its "
@@ -1045,8 +1063,8 @@ def test_first_token_follows_the_distribution(request, impl, seed):
                                     torch.tensor([DRAW_TOP_P]))[0]
 
     nucleus = Run(run.w, [prompt] * NUCLEUS_DRAWS, [
-        Params(temperature=NUCLEUS_TEMPERATURE, top_p=NUCLEUS_TOP_P, max_tokens=1, seed=seed % 10_000 * 1000 + DRAWS + i)
-        for i in range(NUCLEUS_DRAWS)], Config(max_num_seqs=NUCLEUS_DRAWS, num_blocks=4 * NUCLEUS_DRAWS))
+        Params(temperature=NUCLEUS_TEMPERATURE, top_p=NUCLEUS_TOP_P, max_tokens=1,
+               seed=seed % 10_000 * 1000 + DRAWS + i) for i in range(NUCLEUS_DRAWS)], Config(max_num_seqs=NUCLEUS_DRAWS, num_blocks=4 * NUCLEUS_DRAWS))
     in_nucleus = expected_probabilities(logits[None], torch.tensor([NUCLEUS_TEMPERATURE]), torch.tensor([0]),
                                         torch.tensor([NUCLEUS_TOP_P + NUCLEUS_SLACK]))[0]
 

@@ -387,7 +387,8 @@ def test_shard_model(impl, gen):
 
 @pytest.mark.parametrize("tp", GROUP_SIZES, ids=RANK_IDS)
 def test_vocab_parallel_embedding(impl, gen, tp):
-    """every rank gets the embedding of every id, whichever rank's block holds it (block edges included)"""
+    """every rank gets the embedding of every id, whichever rank's block holds it (block edges included), in
+    float32 and bfloat16"""
     w = random_weights(gen, "H8-KVH4")
     V, block = w.embed_tokens.shape[0], w.embed_tokens.shape[0] // tp
     edges = [i for r in range(tp) for i in (r * block, r * block + block - 1)]
@@ -395,6 +396,9 @@ def test_vocab_parallel_embedding(impl, gen, tp):
     group = ranks(impl, tp)
     out = group.call("vocab_parallel_embedding", [(ids, rows_of(w.embed_tokens, r, tp).clone()) for r in range(tp)])
     on_every_rank(out, w.embed_tokens[ids], tolerance("model", torch.float32), f"the embeddings of ids {ids.tolist()}")
+    half = w.embed_tokens.bfloat16()  # a bfloat16 shard: the sum over ranks is the lookup itself, in its dtype
+    out = group.call("vocab_parallel_embedding", [(ids, rows_of(half, r, tp).clone()) for r in range(tp)])
+    on_every_rank(out, half[ids], tolerance("model", torch.bfloat16), f"the bfloat16 embeddings of ids {ids.tolist()}")
 
 
 @pytest.mark.parametrize("tp", GROUP_SIZES, ids=RANK_IDS)
