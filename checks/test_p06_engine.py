@@ -656,8 +656,9 @@ PREEMPTION_BUDGET = 4  # the preemption check's token budget: prompts and recomp
 
 def contract_counts(run: Run) -> dict:
     """How many times p05's contract preempts a request on this run, how many of its prefill steps leave a
-    request's tokens incomplete (chunked prefills) and how many cached tokens its admissions start with: its model of the scheduler (the one p05's checks hold a learner's
-    scheduler to) fed the prompts and the very tokens the engine gave."""
+    request's tokens incomplete (chunked prefills) and how many cached tokens its admissions start with: its model
+    of the scheduler (the one p05's checks hold a learner's scheduler to) fed the prompts and the very tokens the
+    engine gave."""
     from checks.test_p05_scheduler import Model
 
     c, params = run.config, run.params
@@ -1064,7 +1065,8 @@ def test_first_token_follows_the_distribution(request, impl, seed):
 
     nucleus = Run(run.w, [prompt] * NUCLEUS_DRAWS, [
         Params(temperature=NUCLEUS_TEMPERATURE, top_p=NUCLEUS_TOP_P, max_tokens=1,
-               seed=seed % 10_000 * 1000 + DRAWS + i) for i in range(NUCLEUS_DRAWS)], Config(max_num_seqs=NUCLEUS_DRAWS, num_blocks=4 * NUCLEUS_DRAWS))
+               seed=seed % 10_000 * 1000 + DRAWS + i) for i in range(NUCLEUS_DRAWS)],
+        Config(max_num_seqs=NUCLEUS_DRAWS, num_blocks=4 * NUCLEUS_DRAWS))
     in_nucleus = expected_probabilities(logits[None], torch.tensor([NUCLEUS_TEMPERATURE]), torch.tensor([0]),
                                         torch.tensor([NUCLEUS_TOP_P + NUCLEUS_SLACK]))[0]
 
