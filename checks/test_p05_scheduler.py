@@ -880,6 +880,8 @@ class Driver:
             if not f.prefill and freed & f.taken:
                 return "decode-takes-a-slot"  # the block the model's decode step opened is still free here
             if any(freed & set(r.table) for r in self.model.waiting if r.name not in f.preempted):
+                if set(free[: len(freed)]) == freed:  # still at the front, never taken: the step stopped before it
+                    return "prefill-fills-the-step"  # gave the next request its blocks, budget and seats left
                 return "only-the-first-is-chunked"  # the request that ended the step keeps the blocks it got
             if f.preempted:
                 return "preempt-resets"
