@@ -666,7 +666,13 @@ def contract_counts(run: Run) -> dict:
     preempted, preempt = [], model.preempt
     model.preempt = lambda r: (preempted.append(r), preempt(r))
     cached, allocate = [], model.cache.allocate  # the cached prefix each admission starts with
-    model.cache.allocate = lambda tokens: (found := allocate(tokens), cached.append(found[1]))[0]
+
+    def allocate_and_count(tokens):
+        table, hit = allocate(tokens)
+        cached.append(hit)
+        return table, hit
+
+    model.cache.allocate = allocate_and_count
     requests = [model.add(i, list(prompt), p.max_tokens, p.ignore_eos) for i, (prompt, p) in
                 enumerate(zip(run.prompts, params))]
     chunked = 0
@@ -1038,7 +1044,7 @@ DRAW_TOP_P = 0.95  # ... and a top_p below 1 that keeps all three (a top_p read 
 # Then requests hot and narrow: a temperature above 1 with a small top_p, whose every draw must stay in the nucleus
 # (a top_p read from the temperature, or a temperature read as the top_p, draws outside it all but surely)
 NUCLEUS_DRAWS, NUCLEUS_TEMPERATURE, NUCLEUS_TOP_P = 16, 1.5, 0.2
-PROMPT_TRIES = 20  # about one prompt in five has its 3rd and 4th logits within NEAR_TIE (measured)
+PROMPT_TRIES = 20  # about one prompt in three has its 3rd and 4th logits within NEAR_TIE (32 of 100, measured)
 NUCLEUS_SLACK = 0.02  # a token whose mass before it is within this of top_p may go either way in float16's logits
 
 
@@ -1071,8 +1077,7 @@ def test_first_token_follows_the_distribution(request, impl, seed):
                                         torch.tensor([NUCLEUS_TOP_P + NUCLEUS_SLACK]))[0]
 
     def expect_inside(outputs: list, allowed: torch.Tensor, asked: str) -> None:
-        tokens = sorted({out[0] for out in outputs})
-        outside = sorted(set(tokens) - set(allowed.nonzero().flatten().tolist()))
+        outside = sorted({out[0] for out in outputs} - set(allowed.nonzero().flatten().tolist()))
         if outside:
             raise Mismatch(f"sampled tokens {outside} lie outside the tokens {allowed.nonzero().flatten().tolist()} "
                            f"that {asked} keep", "sampled-by-its-params")
