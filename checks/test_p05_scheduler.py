@@ -637,6 +637,8 @@ class Driver:
             if seen.status != status:
                 self.fail(f"{where}: {name} is in {queue} but its status is {seen.status!r}, expected {status!r}",
                           "preempt-resets" if name in self.facts.preempted else "status-follows-queue")
+            if name in running and self.follow_model:  # postprocess appends by the computed count: it goes first
+                self.expect_computed(where, name, seen.computed)
             if name in running and self.follow_model and seen.tokens != self.models[name].tokens:
                 mine = self.models[name].tokens  # a token too many or too few: the blocks it holds follow from them
                 self.fail(f"{where}: {name}'s token_ids is {differing(seen.tokens, mine)}",
@@ -679,9 +681,7 @@ class Driver:
                 if early else ""), self.free_rule(free, model.cache.free))
         for name, seen in live.items():
             mine = self.models[name]
-            if seen.computed != mine.computed:  # first: postprocess appends a token or not by the computed count
-                self.fail(f"{where}: {name}'s num_computed_tokens is {seen.computed!r}, expected "
-                          f"{count(mine.computed, 'computed token')}", self.computed_rule(name, seen.computed, mine.computed))
+            self.expect_computed(where, name, seen.computed)  # first: postprocess appends a token or not by it
             if seen.tokens != mine.tokens:
                 self.fail(f"{where}: {name}'s token_ids is {differing(seen.tokens, mine.tokens)}",
                           self.tokens_rule(name, seen.tokens, mine.tokens))
@@ -843,6 +843,12 @@ class Driver:
         return "finished-leaves" if extra & f.finished or extra - set(self.before["running"]) - f.completed else \
             "running-in-start-order"
 
+    def expect_computed(self, where: str, name: str, computed) -> None:
+        want = self.models[name].computed
+        if computed != want:
+            self.fail(f"{where}: {name}'s num_computed_tokens is {computed!r}, expected "
+                      f"{count(want, 'computed token')}", self.computed_rule(name, computed, want))
+
     def finished_rule(self, got: list[str], want: list[str]) -> str:
         """Finished otherwise than the model: from tokens that already differ, or by the stop rules."""
         if sorted(got) == sorted(want):
@@ -853,6 +859,9 @@ class Driver:
                          for name in after):  # postprocess stopped at a finished request: the rest went untouched
             return "finished-leaves"
         for name in sorted(set(got) ^ set(want)):
+            computed = self.read(self.remotes[name], "num_computed_tokens", name)
+            if computed != self.models[name].computed:  # postprocess appends, and so finishes, by the computed count
+                return self.computed_rule(name, computed, self.models[name].computed)
             tokens = self.read(self.remotes[name], "token_ids", name)
             if tokens != self.models[name].tokens:
                 return self.tokens_rule(name, tokens, self.models[name].tokens)

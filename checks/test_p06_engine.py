@@ -31,7 +31,7 @@ from checks.harness.compare import Mismatch, expect_close, tolerance
 from checks.harness.guard import Guarded, LearnerError, NotStarted, Returns
 from checks.harness.interpreter import DEVICE, verified_on  # noqa: F401 - verified_on: the report
 from checks.harness.loader import ROOT, Implementation
-from checks.harness.oracles import ModelWeights, hf_causal_lm
+from checks.harness.oracles import ModelWeights, hf_causal_lm, hf_greedy
 from checks.harness.toys import load_toy
 
 pytestmark = pytest.mark.p06
@@ -241,9 +241,24 @@ def expect_greedy(run: Run, seed: int, layout: str, what: str) -> None:
         other = next((j for j, p in enumerate(run.prompts) if j != i and greedy_break(model, p, out) is None), None)
         where = f"; they are prompt {other}'s greedy tokens: return the outputs in the prompts' order" \
             if other is not None else ""
+        shifted = shifted_slice(model, prompt, out, max(map(len, run.prompts))) if other is None else None
+        where += f"; {shifted}: return completion_token_ids" if shifted else ""
         raise Mismatch(f"{what}: request {i} (a prompt of {counted(len(prompt), 'token')}): its new token "
                        f"{step} is id {token}, HF's argmax is id {best} (logit {logit:.3f} vs {shown}); {agree}{where}",
-                       "generate-returns-completions" if other is not None else "")
+                       "generate-returns-completions" if other is not None or shifted else "")
+
+
+def shifted_slice(model, prompt: list[int], out: list[int], most: int) -> str | None:
+    """Whether `out` is the request's whole sequence (its prompt, then HF's greedy tokens) read from another place
+    than the prompt's end, up to `most` tokens off: in words, or None."""
+    for s in range(1, min(len(prompt), len(out)) + 1):  # the prompt's last s tokens, then the completion
+        if out[:s] == prompt[-s:] and greedy_break(model, prompt, out[s:]) is None:
+            return f"it starts with the prompt's last {counted(s, 'token')}, then HF's tokens"
+    greedy = hf_greedy(model, torch.tensor(prompt), len(out) + most)[0].tolist()
+    for d in range(1, most + 1):  # the completion without its first d tokens
+        if greedy[d : d + len(out)] == out:
+            return f"it is HF's tokens without the first {counted(d, 'token')}"
+    return None
 
 
 def counted(n: int, unit: str) -> str:
@@ -421,7 +436,7 @@ def test_probabilities_masks_are_exact(impl, gen):
             raise
         raise nan_rows(impl, error, logits, temperature, top_k, top_p) from None
     expected = expected_probabilities(logits, temperature, top_k, top_p)
-    expect_kept(got, expected, logits, temperature, top_k, top_p)
+    expect_kept(got, expected, logits, temperature, top_k, top_p, impl=impl)
     try:
         expect_close(got, expected.float(), tolerance("sampler", torch.float32), "the kept tokens' probabilities")
     except Mismatch as failure:
@@ -449,15 +464,16 @@ def test_probabilities_masks_are_exact(impl, gen):
     expect_kept(got, expected_probabilities(*rows), *rows, "in a batch of 2 whose only mask is a top_k of 1, ")
 
 
-def expect_kept(got, expected, logits, temperature, top_k, top_p, batch: str = "") -> None:
-    """Every row of `got` keeps the tokens `expected` keeps; else the first that does not, and the rule it breaks."""
+def expect_kept(got, expected, logits, temperature, top_k, top_p, batch: str = "", impl=None) -> None:
+    """Every row of `got` keeps the tokens `expected` keeps; else the first that does not, and the rule it breaks
+    (`impl`, when given, is asked about the row once more where its own result cannot tell two rules apart)."""
     for b in range(logits.shape[0]):
         kept, wanted = (got[b] > 0).nonzero().flatten().tolist(), (expected[b] > 0).nonzero().flatten().tolist()
         if kept != wanted:
             setting = (f"temperature {temperature[b]:g}, top_k {int(top_k[b])}, top_p {float(top_p[b]):g}")
             raise Mismatch(f"{batch}row {b} ({setting}) keeps tokens {kept[:8]}{'…' if len(kept) > 8 else ''}, "
                            f"expected {wanted[:8]}{'…' if len(wanted) > 8 else ''} ({counted(len(kept), 'token')} "
-                           f"kept, expected {len(wanted)})", mask_rule(logits, temperature, top_k, top_p, got, b))
+                           f"kept, expected {len(wanted)})", mask_rule(logits, temperature, top_k, top_p, got, b, impl))
 
 
 def nan_rows(impl, error: LearnerError, logits, temperature, top_k, top_p) -> LearnerError:
@@ -497,9 +513,22 @@ def top_p_drops_all(impl, row, temperature) -> bool:
     return not bool((got[0] > 0).all())
 
 
-def mask_rule(logits, temperature, top_k, top_p, got, b: int) -> str:
+def top_k_drops_some(impl, row, temperature: float) -> bool:
+    """Whether `probabilities` drops a token of `row` with top_k 0 and top_p 1 (kept whole by definition) beside a
+    twin row whose top_k is the vocabulary, which makes the top-k mask run while no top_p is below 1."""
+    vocabulary = row.shape[-1]
+    try:
+        got = impl.probabilities(torch.stack([row, row]), torch.tensor([temperature, temperature]),
+                                 torch.tensor([0, vocabulary]), torch.ones(2))
+    except LearnerError:
+        return False
+    return not bool((got[0] > 0).all())
+
+
+def mask_rule(logits, temperature, top_k, top_p, got, b: int, impl=None) -> str:
     """The rule row `b` of `probabilities`' result breaks (RULES in checks/mutants/p06_engine.py), from the learner's
-    row alone: one-hot where greedy, the ratios of the tokens it keeps, which tokens it keeps, its sum."""
+    row alone: one-hot where greedy, the ratios of the tokens it keeps, which tokens it keeps, its sum; and, with
+    `impl`, whether a row without masks kept only its largest logit through its top-k."""
     t, k, p = float(temperature[b]), int(top_k[b]), float(top_p[b])
     row, mine = logits[b].double(), got[b].double()
     want = expected_probabilities(logits[b : b + 1], temperature[b : b + 1], top_k[b : b + 1], top_p[b : b + 1])[0]
@@ -508,8 +537,10 @@ def mask_rule(logits, temperature, top_k, top_p, got, b: int) -> str:
     for q in sorted(set(top_p.tolist()) - {p}):  # the tokens it keeps are those another row's top_p keeps
         other = expected_probabilities(logits[b : b + 1], temperature[b : b + 1], top_k[b : b + 1],
                                        torch.tensor([q]))[0]
-        if bool(((other > 0) == (mine > 0)).all()) and bool(((want > 0) != (mine > 0)).any()):
-            return "top-p-smallest-set"  # the row was cut at another row's p
+        if bool(((other > 0) == (mine > 0)).all()) and bool(((want > 0) != (mine > 0)).any()) and \
+                (int((mine > 0).sum()) > 1 or k > 0 or impl is None or not top_k_drops_some(impl, logits[b], t)):
+            return "top-p-smallest-set"  # the row was cut at another row's p (its largest logit alone: unless its
+            # top_k of 0 drops tokens with top_p 1 in every row)
     top_k_alone = expected_probabilities(logits[b : b + 1], temperature[b : b + 1], top_k[b : b + 1], torch.ones(1))[0]
     # the kept probabilities before their renormalisation: of the whole row, or of what top-k kept
     unnormalised = [torch.softmax(row / t, -1) * (want > 0), top_k_alone * (want > 0)]
@@ -759,9 +790,13 @@ def ran_a_step(llm) -> bool:
         return False
 
 
+SMALL_CACHE_BLOCKS = 2  # of 4 slots: 8 tokens, fewer than the 10-token prompt the refusal check serves
+
+
 def test_generate_refuses_a_request_longer_than_max_model_len(impl, seed):
     """LLM.generate refuses, with a ValueError, a request whose prompt and max_tokens together pass max_model_len
-    (and a params list that is not one per prompt), and serves one that fills it exactly"""
+    (and a params list that is not one per prompt, and a prompt the whole cache cannot hold), and serves one that
+    fills it exactly"""
     gen = torch.Generator().manual_seed(seed)
     prompt = random_prompts(gen, SHAPES[ONE_HEAD][0], (10,))[0]
     budgeted = impl.LLM(on_device(weights(seed, ONE_HEAD)), Config(max_model_len=16, max_num_batched_tokens=8))
@@ -806,6 +841,17 @@ def test_generate_refuses_a_request_longer_than_max_model_len(impl, seed):
         raise Mismatch(f"LLM.generate served a prompt of 17 tokens with max_tokens 1 under max_model_len 16 (it gave "
                        f"{str(served)[:40]}): each prompt's own length with its max_tokens must fit max_model_len, "
                        f"or generate raises ValueError", "refuses-over-max-model-len")
+    small = impl.LLM(on_device(weights(seed, ONE_HEAD)), Config(max_model_len=16, num_blocks=SMALL_CACHE_BLOCKS))
+    try:  # within max_model_len, but more than the whole cache: p05's add refuses it, and generate lets that through
+        served = small.generate([list(prompt)], Params(max_tokens=1))
+    except LearnerError as error:
+        if "raised ValueError" not in str(error) or ran_a_step(small):
+            raise
+    else:
+        raise Mismatch(f"LLM.generate of a prompt of 10 tokens with max_tokens 1 in a cache of "
+                       f"{SMALL_CACHE_BLOCKS} blocks of 4 returned {str(served)[:40]}: it needs 3 blocks, so p05's add "
+                       f"raises ValueError, and generate lets it through (a prompt left out shifts the outputs)",
+                       "refuses-over-max-model-len")
     try:
         llm.generate([list(prompt[:4]), list(prompt)], [Params(max_tokens=4), Params(max_tokens=7)])
     except LearnerError as error:
@@ -860,11 +906,14 @@ def test_decode_graph_pads_without_storing(impl, seed):
     written = (runner.k_caches.cpu() != before.cpu()).flatten(3).any(-1).any(0).flatten()  # [num_blocks * block_size]
     stored = written.nonzero().flatten().tolist()
     if stored != slots:
-        extra = sorted(set(stored) - set(slots))
+        extra, missing = sorted(set(stored) - set(slots)), sorted(set(slots) - set(stored))
         raise Mismatch(f"ModelRunner.decode of {len(step)} requests through the graph of 4 rows stored keys into slots "
                        f"{stored}, expected only {slots} (the requests' new tokens)"
                        + (f": slot {extra[0]} is the padding row's; give padding rows slot -1, so "
-                          "store_kvcache skips them" if extra else ""))
+                          "store_kvcache skips them" if extra else
+                          f": slot {missing[0]}, a request's, got nothing; replay the smallest graph of at least "
+                          f"{len(step)} rows, with every request's slot in its buffer" if missing
+                          else ""))
     model = hf64(seed, layout)
     for row, r in enumerate(step):
         ids = torch.tensor(list(r.token_ids))  # the prompt and the token the prefill sampled
@@ -873,7 +922,9 @@ def test_decode_graph_pads_without_storing(impl, seed):
         token, best = int(logits[row].argmax()), int(expected.argmax())
         if expected[token] < expected[best] - NEAR_TIE:
             raise Mismatch(f"ModelRunner.decode through the graph of 4 rows: row {row}'s logits pick id {token}, HF's "
-                           f"argmax is id {best}: read the graph's output rows 0..{len(step) - 1}, the real ones")
+                           f"argmax is id {best}: a replay reads its static buffers only: copy the step's ids, positions, "
+                           f"slots, context lengths and block tables in, and read rows 0..{len(step) - 1} of the "
+                           f"captured output")
 
 
 def test_stops_at_eos_unless_ignored(request, impl, seed):

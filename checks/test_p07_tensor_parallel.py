@@ -576,10 +576,13 @@ def test_greedy_matches_hf_generate(impl, seed):
             got = f"shape {list(tokens.shape)} {str(tokens.dtype).removeprefix('torch.')}" \
                 if isinstance(tokens, torch.Tensor) else f"{tokens!r:.60}"
             counted_wrong = isinstance(tokens, torch.Tensor) and tokens.dtype == torch.int64 and tokens.dim() == 1
+            only_rank_0 = tokens is None and rank > 0 and isinstance(out[0], torch.Tensor)  # as parallel_lm_head does
             raise Mismatch(f"tp_generate_greedy on rank {rank} returned {got}, expected shape [{GREEDY_TOKENS}] int64: "
-                           f"one token id per new token",
+                           f"one token id per new token" + (
+                               ", on every rank: rank 0 broadcasts each token, so every rank holds them all (None "
+                               "off rank 0 is parallel_lm_head's contract, not this one's)" if only_rank_0 else ""),
                            # a count of tokens is the loop's; any other form is a result's, no rule of its own
-                           "greedy-broadcasts" if counted_wrong else "-")
+                           "greedy-broadcasts" if counted_wrong or only_rank_0 else "-")
     # what each forward fed, read from the rows of its embedding's all_reduce (the first after a broadcast)
     hidden, P = case.w.embed_tokens.shape[1], len(case.prompt)
     for rank, made in enumerate(group.shapes):

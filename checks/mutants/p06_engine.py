@@ -13,6 +13,18 @@ MISTAKES = [
         replace('            if len(prompt) + p.max_tokens > self.config.max_model_len:\n', '            if len(prompt) > self.config.max_model_len:\n'),
     ),
     Mistake(
+        'unservable-prompt-left-out',
+        "generate leaves out a prompt the cache can never hold (it catches add's ValueError) instead of refusing",
+        "Let the ValueError of Scheduler.add reach the caller: a prompt left out makes the outputs one short, and "
+        "every later one answers the prompt before it.",
+        replace("            request = self.scheduler.add(self._next_id, list(prompt), p.max_tokens, p.ignore_eos)\n",
+                "            try:\n"
+                "                request = self.scheduler.add(self._next_id, list(prompt), p.max_tokens, p.ignore_eos)\n"
+                "            except ValueError:  # the cache cannot hold it: serve the others\n"
+                "                self._next_id += 1\n"
+                "                continue\n"),
+    ),
+    Mistake(
         'outputs-include-prompt',
         "generate returns each request's prompt and completion instead of the completion alone",
         'generate returns the generated tokens only: completion_token_ids, not token_ids.',
@@ -368,8 +380,9 @@ RULES = [
          "pass each request's ignore_eos to Scheduler.add"),
     Rule("refuses-over-max-model-len",
          "generate raises ValueError before serving anything when a prompt with its max_tokens is longer than "
-         "max_model_len (exactly max_model_len fits)",
-         "compare len(prompt) + max_tokens > max_model_len for every request before adding any"),
+         "max_model_len (exactly max_model_len fits), or when the whole cache could never hold it",
+         "compare len(prompt) + max_tokens > max_model_len for every request before adding any, and let the "
+         "ValueError of p05's add (a request the cache cannot hold) reach the caller"),
     Rule("one-params-per-prompt",
          "generate takes one object with SamplingParams' attributes for every prompt, or a list of exactly one per "
          "prompt: a list of another length raises ValueError before anything runs",
