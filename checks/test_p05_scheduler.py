@@ -381,6 +381,12 @@ class Driver:
         kind = "prefill" if is_prefill else "decode"
         self.history.append(f"step {k}: {kind} {batch_text(seen)}")
         self.last_batch = seen
+        if is_prefill and self.before["running"]:  # only a decode step preempts
+            sent_back = [name for name in self.queue("waiting") if name in self.before["running"]]
+            if sent_back:
+                self.fail(f"{at}: the prefill step {batch_text(seen)} sent {ids(sent_back)} from running back to "
+                          f"waiting: only a decode step preempts; when the first waiting request cannot get its "
+                          f"blocks, the prefill loop ends the step there", "prefill-fills-the-step")
         self.batch_rules(k, seen, is_prefill)
         taken = set(names) | {r.name for r in expected}  # a request the model takes: the batch's comparison tells
         for name in [*self.queue("waiting"), *self.queue("running")]:
@@ -530,6 +536,13 @@ class Driver:
         strays = [name for name, _ in batch if name not in self.before[source]]
         were = "was" if len(strays) == 1 else "were"
         if strays and is_prefill:
+            again = [name for name in dict.fromkeys(strays)
+                     if self.request(name).computed < len(self.request(name).tokens) - 1]
+            if again:  # a running request has all its tokens but the last computed: this one lost them in the step
+                self.fail(f"{at}: the prefill step {batch_text(batch)} preempted {ids(again)}, running before it "
+                          f"(computed tokens reset), and took it again: only a decode step preempts; when the "
+                          f"first waiting request cannot get its blocks, the prefill loop ends the step there",
+                          "prefill-fills-the-step")
             self.fail(f"{at}: the prefill batch {batch_text(batch)} also decodes {ids(strays)}, which {were} "
                       f"running: a step is prefill or decode, never both", "one-kind-a-step")
         if strays:
@@ -551,6 +564,14 @@ class Driver:
             left = self.budget - sum(n for _, n in batch[:first])  # the budget left when the step took it
             rule = "one-kind-a-step" if not is_prefill else "token-budget" if left < 1 else \
                 "cost-is-what-is-not-computed"  # budget was left: its cost came out below 1
+            if rule == "cost-is-what-is-not-computed" and first:  # a later request: did it fit what was left?
+                idle_one = self.request(batch[first][0])
+                cost = len(idle_one.tokens) - idle_one.computed
+                if cost > left:
+                    self.fail(f"{at}: the batch {batch_text(batch)} (request and num_scheduled_tokens) holds "
+                              f"{batch[first][0]} with no token, whose {count(cost, 'token')} to compute pass the "
+                              f"{left} of the budget left: a later request that does not fit whole ends the step, "
+                              f"out of its batch", "only-the-first-is-chunked")
             self.fail(f"{at}: the batch {batch_text(batch)} (request and num_scheduled_tokens) schedules no token "
                       f"for {ids(idle)}: every request in a batch computes at least 1 token"
                       + f" ({left} of the budget was left)" * (rule == "cost-is-what-is-not-computed"), rule)

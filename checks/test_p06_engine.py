@@ -661,7 +661,8 @@ def test_prefix_hits_are_served_and_counted(request, impl, seed):
 
 def test_preemption_keeps_the_tokens(request, impl, seed):
     """a cache too small for every request at once preempts and recomputes (in chunks, its completion tokens
-    too), and keeps HF's tokens, each sampled once"""
+    too), and keeps HF's tokens, each sampled once; a request left out of a decode step for max_num_seqs is not
+    preempted"""
     # each needs ceil((P + 7 - 1) / 4) = 3, 3 and 4 blocks by its end; 6 blocks hold two of them at most. A budget
     # of 4 chunks every prompt and every recomputation: a preempted request's chunks that cover its prompt but not
     # its completion tokens sample nothing. One layer and one head: preemption is the scheduler's and the cache's
@@ -680,9 +681,15 @@ def test_preemption_keeps_the_tokens(request, impl, seed):
                       ("preemptions", None, "one step preempts two of the three requests"),
                       ("cached_tokens", None, "the cached prefix of every admission, a recomputation's included: "
                        "a preempted request's full block stays cached until another request takes it"))
+    # three requests, two seats: every decode step leaves one running request out, and preempts none
+    greedy_against_hf(request, impl, seed, ONE_HEAD, (3, 4, 5), Params(max_tokens=3),
+                      Config(max_num_seqs=SEATS), "with more requests than seats",
+                      ("preemptions", None, f"max_num_seqs {SEATS} leaves one of three running requests out of each "
+                       "decode step, which sends nobody back"))
 
 
 PREEMPTION_BUDGET = 4  # the preemption check's token budget: prompts and recomputations go in chunks
+SEATS = 2  # the preemption check's max_num_seqs for three requests: a decode step leaves one out, and preempts none
 
 
 def contract_counts(run: Run) -> dict:
@@ -781,13 +788,18 @@ def expect_chunk_stores_only_its_tokens(impl, seed: int) -> None:
                            f"is what p01's Sequence takes as cached)")
 
 
-def ran_a_step(llm) -> bool:
-    """Whether the engine counted a step (its stats, where it keeps them)."""
+def steps_counted(llm) -> int:
+    """The steps the engine counted (its stats, where it keeps them; 0 where it keeps none)."""
     try:
         stats = dict(llm.stats)
-        return bool(stats.get("prefill_steps") or stats.get("decode_steps"))
+        return int(stats.get("prefill_steps") or 0) + int(stats.get("decode_steps") or 0)
     except (LearnerError, TypeError, ValueError):
-        return False
+        return 0
+
+
+def ran_a_step(llm) -> bool:
+    """Whether the engine counted a step."""
+    return steps_counted(llm) > 0
 
 
 SMALL_CACHE_BLOCKS = 2  # of 4 slots: 8 tokens, fewer than the 10-token prompt the refusal check serves
@@ -796,7 +808,7 @@ SMALL_CACHE_BLOCKS = 2  # of 4 slots: 8 tokens, fewer than the 10-token prompt t
 def test_generate_refuses_a_request_longer_than_max_model_len(impl, seed):
     """LLM.generate refuses, with a ValueError, a request whose prompt and max_tokens together pass max_model_len
     (and a params list that is not one per prompt, and a prompt the whole cache cannot hold), and serves one that
-    fills it exactly"""
+    fills it exactly, and two that each fit although the longest prompt with the largest max_tokens would not"""
     gen = torch.Generator().manual_seed(seed)
     prompt = random_prompts(gen, SHAPES[ONE_HEAD][0], (10,))[0]
     budgeted = impl.LLM(on_device(weights(seed, ONE_HEAD)), Config(max_model_len=16, max_num_batched_tokens=8))
@@ -822,6 +834,16 @@ def test_generate_refuses_a_request_longer_than_max_model_len(impl, seed):
     if not isinstance(served, list) or len(served) != 1 or len(served[0]) != 6:
         raise Mismatch(f"LLM.generate of a prompt of 10 tokens with max_tokens 6 under max_model_len 16 returned "
                        f"{str(served)[:60]}, expected one list of 6 tokens", "generate-returns-completions")
+    steps = steps_counted(llm)
+    try:  # each request fits on its own (10 + 2, 2 + 12), though the longest prompt with the most tokens would not
+        llm.generate([list(prompt), list(prompt[:2])], [Params(max_tokens=2), Params(max_tokens=12)])
+    except LearnerError as error:
+        if "raised ValueError" not in str(error) or steps_counted(llm) != steps:
+            raise  # (a ValueError once a step ran is the engine's failure while serving, not a refusal)
+        # (a Mismatch: the refusal is the outcome a catalogued mutant's replay is compared on)
+        raise Mismatch("LLM.generate refused prompts of 10 and 2 tokens with max_tokens 2 and 12 under max_model_len "
+                       "16: each fits on its own (12 and 14 tokens); hold each request to the limit with its own "
+                       "max_tokens, not the longest prompt with the largest", "refuses-over-max-model-len") from None
     try:  # a list of params that is not one per prompt
         served = llm.generate([list(prompt)], [Params(max_tokens=1), Params(max_tokens=2)])
     except LearnerError as error:
@@ -983,6 +1005,7 @@ def test_seeded_requests_do_not_depend_on_the_batch(request, impl, seed):
               [Params(temperature=HOT, max_tokens=HOT_TOKENS, seed=0)], Config())  # 0 is a seed too
     mixed = Run(hot.w, prompts[2:3] + prompts[1:2], [Params(max_tokens=HOT_TOKENS)] + hot.params, Config())
     other_seed = Run(hot.w, hot.prompts, [Params(temperature=HOT, max_tokens=HOT_TOKENS, seed=1)], Config())
+    unseeded_alone = Run(hot.w, hot.prompts, [Params(temperature=HOT, max_tokens=HOT_TOKENS)], Config())
     # ... and sent back by a cache of 4 blocks (the greedy request's 7th token opens a third): recomputed, it goes on
     # drawing where its generator was, not from its seed again
     squeezed = Run(hot.w, mixed.prompts, mixed.params, Config(num_blocks=SQUEEZED_BLOCKS))
@@ -1034,6 +1057,11 @@ def test_seeded_requests_do_not_depend_on_the_batch(request, impl, seed):
                            f"{tokens}: the same token {len(tokens)} times, as if every step drew the same noise. Its "
                            f"generator must go on from one step to the next, not start again from the seed (carried "
                            f"on, it repeats a token {len(tokens)} times with probability 64^-{len(tokens) - 1})")
+        if engine(impl, unseeded_alone).outputs[0] != tokens:
+            raise Mismatch(f"at temperature {HOT:g}, a request without a seed, alone in a new engine, gave "
+                           f"{unseeded_alone.outputs[0]}, and with seed 0 {tokens}: a request without a seed draws "
+                           f"from the engine's `generator`, which __init__ seeds with 0, so the two draw the same "
+                           f"noise", "seeded-own-generator")
         if engine(impl, other_seed).outputs[0] == tokens:
             raise Mismatch(f"the same prompt at temperature {HOT:g} gave {tokens} with seed 0 and with seed 1: a "
                            f"request's generator is seeded with its own seed (alike by chance with probability "

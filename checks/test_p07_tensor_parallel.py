@@ -275,6 +275,7 @@ SHARD_WORLD_SIZES = [1, 2, 4]  # column_shard, row_shard and merged_column_shard
 LAYER_WORLD_SIZES = [2, 4]  # shard_layer
 GROUP_SIZES = [2, 4]  # the process groups of the vocabulary checks (a layer's and the model's: SPLITS)
 REFUSED_KV_HEADS, REFUSED_WORLD_SIZE = 2, 4  # kv heads that do not divide over the ranks (8 query heads would)
+REFUSED_EVEN_HEADS = 6  # heads and kv heads both: more than the ranks, but no multiple of them (the rows divide)
 
 
 @pytest.mark.parametrize("tp", SHARD_WORLD_SIZES, ids=RANK_IDS)
@@ -351,11 +352,17 @@ def test_shard_layer_matches_the_definition(impl, gen, tp):
 
 
 def test_shard_layer_refuses_kv_heads_that_do_not_divide(impl, gen):
-    """shard_layer raises ValueError for 2 kv heads over 4 ranks (8 query heads would divide)"""
+    """shard_layer raises ValueError for 2 kv heads over 4 ranks (8 query heads would divide), and for 6 heads and 6
+    kv heads over 4 ranks (more heads than ranks, but not a multiple of them)"""
     V, hidden, intermediate, L, H, KVH, D = LAYOUTS["H8-KVH4"]
     layer = ModelWeights.random(gen, V, hidden, intermediate, 1, H, REFUSED_KV_HEADS, D).layers[0]
     expect_value_error(lambda: impl.shard_layer(layer, 0, REFUSED_WORLD_SIZE),
                        f"shard_layer with {H} heads and {REFUSED_KV_HEADS} kv heads over {REFUSED_WORLD_SIZE} ranks")
+    n = REFUSED_EVEN_HEADS
+    layer = ModelWeights.random(gen, V, hidden, intermediate, 1, n, n, D).layers[0]  # 6 * D rows: they divide by 4
+    expect_value_error(lambda: impl.shard_layer(layer, 0, REFUSED_WORLD_SIZE),
+                       f"shard_layer with {n} heads and {n} kv heads over {REFUSED_WORLD_SIZE} ranks (each rank would "
+                       f"hold {n}/{REFUSED_WORLD_SIZE} of a head: tp must divide H and KVH, not only be at most them)")
 
 
 def test_shard_model(impl, gen):

@@ -126,6 +126,26 @@ MISTAKES = [
                 "                break  # only the first request is chunked; this one leads the next step\n", ""),
     ),
     Mistake(
+        "deferred-request-in-batch",
+        "a later request that does not fit the budget left ends the step, but is put in its batch first",
+        "Test whether a later request fits before taking it: one that does not fit whole ends the step and is not "
+        "in its batch (it would be there with no token to compute).",
+        chain(replace("            if scheduled and cost > budget:\n",
+                      "            scheduled.append(request)\n            if len(scheduled) > 1 and cost > budget:\n"),
+              replace("            scheduled.append(request)\n            if request.num_scheduled_tokens < cost:\n",
+                      "            if request.num_scheduled_tokens < cost:\n")),
+    ),
+    Mistake(
+        "prefill-preempts-for-room",
+        "the prefill loop preempts running requests to make room for a waiting one",
+        "Only a decode step preempts. When the first waiting request cannot get its blocks (can_allocate says no), "
+        "the prefill loop ends the step there; the running requests keep theirs.",
+        replace("                if not manager.can_allocate(request):\n                    break\n",
+                "                while not manager.can_allocate(request) and self.running:\n"
+                "                    self.preempt(self.running.pop())\n"
+                "                if not manager.can_allocate(request):\n                    break\n"),
+    ),
+    Mistake(
         "budget-exceeded-by-first",
         "the first request of a step is scheduled whole, even past the token budget",
         "Cut the first request to the budget: `num_scheduled_tokens = min(cost, budget)`; a prompt longer than "
@@ -361,7 +381,8 @@ RULES = [
          "build the prefill batch first and return it when it is not empty; otherwise decode"),
     Rule("prefill-fills-the-step",
          "a prefill step goes on taking waiting requests while fewer than max_num_seqs are taken, budget is left "
-         "and the next request gets its blocks and fits whole in the budget left",
+         "and the next request gets its blocks and fits whole in the budget left; it ends where one does not, and "
+         "preempts nobody",
          "stop the prefill loop only on one of those conditions, never on another"),
     Rule("decode-takes-the-running",
          "a decode step takes requests from the left of running until it has max_num_seqs of them or none is "

@@ -13,6 +13,14 @@ MISTAKES = [
         replace('            if len(prompt) + p.max_tokens > self.config.max_model_len:\n', '            if len(prompt) > self.config.max_model_len:\n'),
     ),
     Mistake(
+        "model-len-for-the-longest",
+        "generate checks the longest prompt with the largest max_tokens against max_model_len, not each request",
+        "Each request is held to max_model_len with its own max_tokens: a long prompt that asks for few tokens and a "
+        "short one that asks for many may both fit, though the longest with the most would not.",
+        replace("            if len(prompt) + p.max_tokens > self.config.max_model_len:\n",
+                "            if max(map(len, prompts)) + max(q.max_tokens for q in params) > self.config.max_model_len:\n"),
+    ),
+    Mistake(
         'unservable-prompt-left-out',
         "generate leaves out a prompt the cache can never hold (it catches add's ValueError) instead of refusing",
         "Let the ValueError of Scheduler.add reach the caller: a prompt left out makes the outputs one short, and "
@@ -201,6 +209,21 @@ MISTAKES = [
         "step), once: a preempted request that waits several steps is still one preemption.",
         replace("sum(id(r) in running_before for r in self.scheduler.waiting)",
                 "sum(len(r) > r.num_prompt_tokens for r in self.scheduler.waiting)"),
+    ),
+    Mistake(
+        "preemptions-counted-for-seats",
+        "stats['preemptions'] counts the running requests a decode step leaves out, not the ones sent back",
+        "A decode step takes max_num_seqs of the running requests; the others stay running, not preempted. Count "
+        "the requests this step's schedule moved from running to waiting.",
+        replace("sum(id(r) in running_before for r in self.scheduler.waiting)",
+                "(0 if is_prefill else len(running_before) - len(requests))"),
+    ),
+    Mistake(
+        "generator-left-unseeded",
+        "the engine's generator is made without manual_seed(0)",
+        "__init__ seeds the engine's generator with 0: a request without a seed, alone in a new engine, draws what "
+        "a request with seed 0 draws, and every run of the engine is the same.",
+        replace("self.generator = torch.Generator(device).manual_seed(0)", "self.generator = torch.Generator(device)"),
     ),
     Mistake(
         "cached-tokens-every-chunk",

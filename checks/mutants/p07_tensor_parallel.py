@@ -50,6 +50,12 @@ MISTAKES = [
         replace("if H % world_size or KVH % world_size:", "if H % world_size:"),
     ),
     Mistake(
+        "heads-compared-not-divided",
+        "shard_layer refuses only fewer heads than ranks, not a head count the ranks do not divide",
+        "tp must divide H and KVH: 6 heads over 4 ranks are more heads than ranks, yet each rank would hold 1.5 of them.",
+        replace("if H % world_size or KVH % world_size:", "if H < world_size or KVH < world_size:"),
+    ),
+    Mistake(
         'gate-up-swapped',
         "the rank's fused gate/up output split as (up, gate)",
         "The shard stacks the rank's gate rows first, then its up rows: the first half is gate, which SiLU takes; the second is up.",
