@@ -246,6 +246,14 @@ def _split_fields(module, toy: dict, world_size: int = 4) -> list[Field]:
                     f"返回了分片：num_kv_heads 为 {kv}，qkv 行为 {rows}"))]
 
 
+SIX_HEADS = 6  # heads and kv heads: more than 4 ranks, but no multiple of them
+
+
+def _with_heads(toy: dict, n: int) -> dict:
+    """The toy with `n` heads and `n` kv heads (its other sizes kept)."""
+    return {**toy, "layout": {**toy["layout"], "num_heads": n, "num_kv_heads": n}}
+
+
 def _column_split_fields(module, toy: dict, world_size: int = 4) -> list[Field]:
     """column_shard of a matrix whose row i is all i, with as many rows as the toy's vocabulary, over
     `world_size` ranks that do not divide them: the rows each rank gets, or the ValueError."""
@@ -306,6 +314,9 @@ def probes() -> list[Scenario]:
                                        f"在 2 个 rank 上调用 tp_generate_greedy({vector(PROMPT)}, {NEW_TOKENS})，"
                                        "toy 的层用两次（两层）"),
                  lambda module: _greedy_fields(module, toy, layers=2)),
+        Scenario("probe-split-6-heads", T("shard_layer of a layer like the toy's, with 6 heads and 6 kv heads, for 4 "
+                                          "ranks", "把一个和 toy 一样、但有 6 个 head 和 6 个 kv head 的层切给 4 个 rank"),
+                 lambda module: _split_fields(module, _with_heads(toy, SIX_HEADS))),
         Scenario("probe-column-split", T(f"column_shard of {toy['vocab']['size']} rows for 4 ranks",
                                          f"用 column_shard 把 {toy['vocab']['size']} 行切给 4 个 rank"),
                  lambda module: _column_split_fields(module, toy)),
