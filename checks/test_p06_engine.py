@@ -661,8 +661,7 @@ def test_prefix_hits_are_served_and_counted(request, impl, seed):
 
 def test_preemption_keeps_the_tokens(request, impl, seed):
     """a cache too small for every request at once preempts and recomputes (in chunks, its completion tokens
-    too), and keeps HF's tokens, each sampled once; a request left out of a decode step for max_num_seqs is not
-    preempted"""
+    too), and keeps HF's tokens, each sampled once"""
     # each needs ceil((P + 7 - 1) / 4) = 3, 3 and 4 blocks by its end; 6 blocks hold two of them at most. A budget
     # of 4 chunks every prompt and every recomputation: a preempted request's chunks that cover its prompt but not
     # its completion tokens sample nothing. One layer and one head: preemption is the scheduler's and the cache's
@@ -681,15 +680,9 @@ def test_preemption_keeps_the_tokens(request, impl, seed):
                       ("preemptions", None, "one step preempts two of the three requests"),
                       ("cached_tokens", None, "the cached prefix of every admission, a recomputation's included: "
                        "a preempted request's full block stays cached until another request takes it"))
-    # three requests, two seats: every decode step leaves one running request out, and preempts none
-    greedy_against_hf(request, impl, seed, ONE_HEAD, (3, 4, 5), Params(max_tokens=3),
-                      Config(max_num_seqs=SEATS), "with more requests than seats",
-                      ("preemptions", None, f"max_num_seqs {SEATS} leaves one of three running requests out of each "
-                       "decode step, which sends nobody back"))
 
 
 PREEMPTION_BUDGET = 4  # the preemption check's token budget: prompts and recomputations go in chunks
-SEATS = 2  # the preemption check's max_num_seqs for three requests: a decode step leaves one out, and preempts none
 
 
 def contract_counts(run: Run) -> dict:
@@ -713,32 +706,39 @@ def contract_counts(run: Run) -> dict:
     model.cache.allocate = allocate_and_count
     requests = [model.add(i, list(prompt), p.max_tokens, p.ignore_eos) for i, (prompt, p) in
                 enumerate(zip(run.prompts, params))]
-    chunked = 0
+    chunked = prefills = 0
     for _ in range(10_000):  # every step computes at least one token: far more steps than the run can take
         if model.finished():
             break
         batch, is_prefill = model.schedule()
+        prefills += is_prefill
         chunked += is_prefill and any(r.computed + r.scheduled < len(r.tokens) for r in batch)
         model.postprocess(batch, [run.outputs[requests.index(r)][len(r.tokens) - r.prompt_len]
                                   if r.computed + r.scheduled == len(r.tokens) else -1 for r in batch])
-    return {"preemptions": len(preempted), "chunked_prefills": chunked, "cached_tokens": sum(cached)}
+    return {"preemptions": len(preempted), "chunked_prefills": chunked, "cached_tokens": sum(cached),
+            "prefill_steps": prefills}
 
 
 CHUNK_BUDGET = 5  # the token budget that chunks the prompts of 13, 7 and 4 tokens
+SEATS = 2  # the chunked check's max_num_seqs for its three requests: a decode step leaves one out, and preempts none
 
 
 def test_chunked_prefill_keeps_the_tokens(request, impl, seed):
     """a token budget of 5 chunks the prompts, a chunk stores its own tokens' keys and values only, and the tokens
-    stay HF's"""
+    stay HF's (with 2 seats for 3 requests, which preempt none)"""
     with_blame(request, impl, lambda impl: expect_chunk_stores_only_its_tokens(impl, seed))
     impl.start_over()  # a failure below replays the engine's calls only
     greedy_against_hf(request, impl, seed, "L2-H2-KVH1-D16", (13, 7, 4), Params(max_tokens=4),
-                      Config(max_num_batched_tokens=CHUNK_BUDGET), f"chunked prefill (budget {CHUNK_BUDGET})",
+                      Config(max_num_batched_tokens=CHUNK_BUDGET, max_num_seqs=SEATS),
+                      f"chunked prefill (budget {CHUNK_BUDGET}, {SEATS} seats)",
                       ("chunked_prefills", lambda n: n >= 2,
                        f"at least 2 prefill steps that compute part of a prompt: a 13-token prompt under a budget "
                        f"of {CHUNK_BUDGET}"),
                       ("tokens_out", lambda n: n == 3 * 4,
-                       "12 sampled tokens (3 prompts, 4 each): a chunk's row samples no token, so it counts none"))
+                       "12 sampled tokens (3 prompts, 4 each): a chunk's row samples no token, so it counts none"),
+                      ("prefill_steps", None, "every prefill step p05's rules make on that run, a chunk's included"),
+                      ("preemptions", None, f"max_num_seqs {SEATS} leaves one of the three running requests out of "
+                       "each decode step, which sends nobody back"))
 
 
 def expect_chunk_stores_only_its_tokens(impl, seed: int) -> None:
@@ -853,6 +853,15 @@ def test_generate_refuses_a_request_longer_than_max_model_len(impl, seed):
         raise Mismatch(f"LLM.generate of 1 prompt with a list of 2 SamplingParams returned {str(served)[:40]}: a list "
                        f"gives one params per prompt, so one of another length raises ValueError",
                        "one-params-per-prompt")
+    try:  # ... nor a list of one for several prompts (one object for all is not in a list)
+        served = llm.generate([list(prompt), list(prompt[:4])], [Params(max_tokens=1)])
+    except LearnerError as error:
+        if "raised ValueError" not in str(error):
+            raise
+    else:
+        raise Mismatch(f"LLM.generate of 2 prompts with a list of 1 SamplingParams returned {str(served)[:40]}: a list "
+                       f"gives one params per prompt (one object for every prompt is passed alone, not in a list), so "
+                       f"one of another length raises ValueError", "one-params-per-prompt")
     too_long = random_prompts(gen, SHAPES[ONE_HEAD][0], (17,))[0]
     try:  # a prompt longer than max_model_len on its own
         served = llm.generate([list(too_long)], [Params(max_tokens=1)])
@@ -936,6 +945,11 @@ def test_decode_graph_pads_without_storing(impl, seed):
                           f": slot {missing[0]}, a request's, got nothing; replay the smallest graph of at least "
                           f"{len(step)} rows, with every request's slot in its buffer" if missing
                           else ""))
+    if not isinstance(logits, torch.Tensor) or logits.dim() != 2 or logits.shape[0] != len(step):
+        shape = list(logits.shape) if isinstance(logits, torch.Tensor) else type(logits).__name__
+        raise Mismatch(f"ModelRunner.decode of {len(step)} requests through the graph of 4 rows returned logits "
+                       f"{shape}, expected [{len(step)}, V]: one row per request, so return rows 0..{len(step) - 1} "
+                       f"of the captured output, not the padding's")
     model = hf64(seed, layout)
     for row, r in enumerate(step):
         ids = torch.tensor(list(r.token_ids))  # the prompt and the token the prefill sampled

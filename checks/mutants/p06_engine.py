@@ -21,6 +21,17 @@ MISTAKES = [
                 "            if max(map(len, prompts)) + max(q.max_tokens for q in params) > self.config.max_model_len:\n"),
     ),
     Mistake(
+        "one-params-list-broadcast",
+        "generate repeats a list of one SamplingParams for every prompt instead of refusing it",
+        "A list gives one params per prompt: a list of 1 for 3 prompts is a list of the wrong length (ValueError); "
+        "one object for every prompt is passed alone, not in a list.",
+        replace("        params = sampling_params if isinstance(sampling_params, (list, tuple)) else "
+                "[sampling_params] * len(prompts)\n",
+                "        params = sampling_params if isinstance(sampling_params, (list, tuple)) else "
+                "[sampling_params] * len(prompts)\n        if len(params) == 1:\n"
+                "            params = list(params) * len(prompts)\n"),
+    ),
+    Mistake(
         'unservable-prompt-left-out',
         "generate leaves out a prompt the cache can never hold (it catches add's ValueError) instead of refusing",
         "Let the ValueError of Scheduler.add reach the caller: a prompt left out makes the outputs one short, and "
@@ -226,6 +237,15 @@ MISTAKES = [
         replace("self.generator = torch.Generator(device).manual_seed(0)", "self.generator = torch.Generator(device)"),
     ),
     Mistake(
+        "prefill-steps-skip-chunks",
+        "stats['prefill_steps'] counts only the prefill steps that leave no prompt incomplete",
+        "Every prefill step counts once in prefill_steps, a chunk's too; chunked_prefills counts the chunked ones "
+        "again, apart (it is a subset, not the other half).",
+        replace('            self.stats["prefill_steps"] += 1\n',
+                '            self.stats["prefill_steps"] += all(r.num_computed_tokens + r.num_scheduled_tokens >= len(r) '
+                'for r in requests)\n'),
+    ),
+    Mistake(
         "cached-tokens-every-chunk",
         "stats['cached_tokens'] adds a request's cached prefix again at every chunk of its prompt",
         "Count the prefix cache's tokens once per request, in its first prefill step (num_computed_tokens == "
@@ -241,6 +261,15 @@ MISTAKES = [
         "chunk computes and stores only its own tokens.",
         replace("r.block_table, num_cached_tokens=r.num_computed_tokens) for r in requests]",
                 "r.block_table, num_cached_tokens=r.num_cached_tokens) for r in requests]"),
+    ),
+    Mistake(
+        "graph-padding-rows-returned",
+        "decode through a graph returns every row of the captured output, the padding rows' too",
+        "A replay computes the graph's rows, padding included; return the first B of them, one per request, as the "
+        "eager path does.",
+        replace("        return self._logits(self._outputs[size][:B])\n",
+                "        return self._logits(self._outputs[size])\n"),
+        needs="cuda",
     ),
     Mistake(
         "graph-padding-stored",

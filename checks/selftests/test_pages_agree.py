@@ -136,7 +136,7 @@ CLAIMS = [
           lambda m: -(-m.LATER_TAIL // m.PREFIX_BUDGET), r"whose rest is computed in (?P<n>\w+) chunks",
           r"剩下的部分分(?P<n>[一两二三四])块来算"),
     Claim("p06_engine", "three requests under max_num_seqs 2", "SEATS", lambda m: m.SEATS,
-          r"three requests under `max_num_seqs` (?P<n>\d+), where", r"还有 `max_num_seqs` 为 (?P<n>\d+) 时的 3 个请求"),
+          r"three requests under `max_num_seqs` (?P<n>\d+), where", r"预算，`max_num_seqs` 为 (?P<n>\d+) 时的 3 个请求"),
     Claim("p06_engine", "a budget of 5 tokens that chunks the prompts", "CHUNK_BUDGET", lambda m: m.CHUNK_BUDGET,
           r"a budget of (?P<n>\d+) tokens that chunks the prompts", r"把 prompt 分块的 (?P<n>\d+) token 预算"),
     Claim("p06_engine", "the first tokens of 48 seeded requests", "DRAWS", lambda m: m.DRAWS,
