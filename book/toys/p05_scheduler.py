@@ -191,9 +191,10 @@ def probes() -> list[Scenario]:
             Scenario("probe-no-room",
                      T("add A = [1, 2, 3] max 3, B = [4 .. 8] max 1 (2 blocks of 4, max_num_seqs 4, a budget of 4), "
                        "then 2 steps: prefill A; B cannot get its 2 blocks, so A decodes",
-                       "add A = [1, 2, 3] max 3、B = [4 .. 8] max 1（2 个大小为 4 的块，max_num_seqs 4，预算 4），然后走 2 步："
-                       "prefill A；B 分不到它要的 2 个块，于是 A decode"),
-                     lambda module: _probe_steps(module, (2, 4, 4, 4), [([1, 2, 3], 3), ([4, 5, 6, 7, 8], 1)], [{}, {}])),
+                       "add A = [1, 2, 3] max 3、B = [4 .. 8] max 1（2 个大小为 4 的块，max_num_seqs 4，预算 4），"
+                       "然后走 2 步：prefill A；B 分不到它要的 2 个块，于是 A decode"),
+                     lambda module: _probe_steps(module, (2, 4, 4, 4), [([1, 2, 3], 3), ([4, 5, 6, 7, 8], 1)],
+                                                 [{}, {}])),
             Scenario("probe-scheduled-reset",
                      T("add A = [1 .. 6] max 2, B = [7] max 1 (8 blocks of 4, max_num_seqs 4, a budget of 4), then 2 "
                        "steps: prefill A 4, a chunk; prefill A 2 and B 1, and B finishes",

@@ -315,7 +315,8 @@ def probes() -> list[Scenario]:
                                        "toy 的层用两次（两层）"),
                  lambda module: _greedy_fields(module, toy, layers=2)),
         Scenario("probe-split-6-heads", T("shard_layer of a layer like the toy's, with 6 heads and 6 kv heads, for 4 "
-                                          "ranks", "把一个和 toy 一样、但有 6 个 head 和 6 个 kv head 的层切给 4 个 rank"),
+                                          "ranks",
+                                          "把一个和 toy 一样、但有 6 个 head 和 6 个 kv head 的层切给 4 个 rank"),
                  lambda module: _split_fields(module, _with_heads(toy, SIX_HEADS))),
         Scenario("probe-column-split", T(f"column_shard of {toy['vocab']['size']} rows for 4 ranks",
                                          f"用 column_shard 把 {toy['vocab']['size']} 行切给 4 个 rank"),
