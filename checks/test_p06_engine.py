@@ -802,6 +802,19 @@ def ran_a_step(llm) -> bool:
     return steps_counted(llm) > 0
 
 
+REFUSED = object()  # what `refused` gives for a call that raised ValueError
+
+
+def refused(call):
+    """`call()`'s result, or REFUSED when the learner's code raised ValueError (any other error goes on up)."""
+    try:
+        return call()
+    except LearnerError as error:
+        if "raised ValueError" not in str(error):
+            raise
+        return REFUSED
+
+
 SMALL_CACHE_BLOCKS = 2  # of 4 slots: 8 tokens, fewer than the 10-token prompt the refusal check serves
 
 
@@ -844,31 +857,19 @@ def test_generate_refuses_a_request_longer_than_max_model_len(impl, seed):
         raise Mismatch("LLM.generate refused prompts of 10 and 2 tokens with max_tokens 2 and 12 under max_model_len "
                        "16: each fits on its own (12 and 14 tokens); hold each request to the limit with its own "
                        "max_tokens, not the longest prompt with the largest", "refuses-over-max-model-len") from None
-    try:  # a list of params that is not one per prompt
-        served = llm.generate([list(prompt)], [Params(max_tokens=1), Params(max_tokens=2)])
-    except LearnerError as error:
-        if "raised ValueError" not in str(error):
-            raise
-    else:
+    served = refused(lambda: llm.generate([list(prompt)], [Params(max_tokens=1), Params(max_tokens=2)]))
+    if served is not REFUSED:  # a list of params that is not one per prompt
         raise Mismatch(f"LLM.generate of 1 prompt with a list of 2 SamplingParams returned {str(served)[:40]}: a list "
                        f"gives one params per prompt, so one of another length raises ValueError",
                        "one-params-per-prompt")
-    try:  # ... nor a list of one for several prompts (one object for all is not in a list)
-        served = llm.generate([list(prompt), list(prompt[:4])], [Params(max_tokens=1)])
-    except LearnerError as error:
-        if "raised ValueError" not in str(error):
-            raise
-    else:
+    served = refused(lambda: llm.generate([list(prompt), list(prompt[:4])], [Params(max_tokens=1)]))
+    if served is not REFUSED:  # ... nor a list of one for several prompts (one object for all is not in a list)
         raise Mismatch(f"LLM.generate of 2 prompts with a list of 1 SamplingParams returned {str(served)[:40]}: a list "
                        f"gives one params per prompt (one object for every prompt is passed alone, not in a list), so "
                        f"one of another length raises ValueError", "one-params-per-prompt")
     too_long = random_prompts(gen, SHAPES[ONE_HEAD][0], (17,))[0]
-    try:  # a prompt longer than max_model_len on its own
-        served = llm.generate([list(too_long)], [Params(max_tokens=1)])
-    except LearnerError as error:
-        if "raised ValueError" not in str(error):
-            raise
-    else:
+    served = refused(lambda: llm.generate([list(too_long)], [Params(max_tokens=1)]))
+    if served is not REFUSED:  # a prompt longer than max_model_len on its own
         raise Mismatch(f"LLM.generate served a prompt of 17 tokens with max_tokens 1 under max_model_len 16 (it gave "
                        f"{str(served)[:40]}): each prompt's own length with its max_tokens must fit max_model_len, "
                        f"or generate raises ValueError", "refuses-over-max-model-len")
