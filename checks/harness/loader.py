@@ -22,6 +22,12 @@ NOT_SANDBOXED = ("./check.sh: {} runs as you, with your files and your network, 
                  "fine for your own folder. To check someone else's code, use ./check.sh grade FOLDER (sandboxed).")
 
 
+# The catalogue's own code (a patch of the reference, or a sample): on a CPU, the reference kernels of the modules
+# it does not patch run by PyTorch (`standins.py`), in the worker as in a replay; learners' code and the reference
+# itself run every kernel as written.
+STOOD_IN = ("mutant", "variant", "broken")
+
+
 @dataclass(frozen=True)
 class Implementation:
     """Where a module's code comes from.
@@ -53,8 +59,10 @@ class Implementation:
         return self.patch[0], self.patch[1](self.path(self.patch[0]).read_text(encoding="utf-8"))
 
     def spec(self, stem: str) -> tuple:
-        """What a worker needs to import `stem`: folder, shown folder, patch, label, stem."""
-        return (str(self.folder), self.shown_folder(), self.patched_source(), self.label, stem)
+        """What a worker needs to import `stem`: folder, shown folder, patch, label, stem, and whether the
+        reference kernels its siblings launch run by PyTorch (`standins.py`: the catalogue's entries only)."""
+        return (str(self.folder), self.shown_folder(), self.patched_source(), self.label, stem,
+                self.kind in STOOD_IN)
 
     def package(self) -> Package:
         if "" not in self._packages:

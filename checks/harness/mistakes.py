@@ -31,6 +31,7 @@ from .guard import Call, New, Raised, Remote
 from .loader import ROOT, Implementation
 from .ranks import RankCall
 from .simdist import run_ranks
+from .standins import use_standins
 from .values import argument_names, changed_input, copy_with_layout, leaves, plain, same, whole_storage
 
 Patch = Callable[[str], str]
@@ -195,6 +196,7 @@ def identify(events: list, stem: str, tolerance_kind: str, time_limit: float,
             module = catalogue(stem).implementation(mistake).load(stem)
         except Exception:  # noqa: BLE001 - a stale mutant must not hide the learner's result
             continue
+        use_standins(module, stem)  # the reference's kernels of the other modules, by PyTorch on a CPU
         distance = 1.0
         if key is None:
             alike = _replays_alike(events, module, tolerance_kind, time_limit)

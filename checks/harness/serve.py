@@ -13,7 +13,7 @@ torch (and Triton) once, then forks a worker per request, in milliseconds. A wor
 The server reaps workers, kills a worker (and its process group) when asked, kills any process that
 outlived its worker (it is the subreaper of everything forked below it), watches each worker's
 resident memory, and says how a worker ended. Nothing here imports the kit: the checks' process ships
-this file and its three companions as text (see `worker.py`).
+this file and its companions as text (see `worker.py`).
 """
 
 import ctypes
@@ -33,6 +33,7 @@ import torch
 
 from . import wire
 from .loading import LoadError, Package, first_line
+from .standins import use_standins
 from .values import argument_names, changed_input, leaves, plain
 
 PR_SET_PDEATHSIG, PR_SET_CHILD_SUBREAPER = 1, 36
@@ -244,13 +245,15 @@ class Worker:
             raise RuntimeError(answer[1])
         return answer[1]
 
-    def do_load(self, folder: str, shown: str, patch, label: str, stem: str) -> None:
+    def do_load(self, folder: str, shown: str, patch, label: str, stem: str, standins: bool) -> None:
         self.package, self.stem = Package(folder, shown, tuple(patch) if patch else None, label), stem
         try:
             module = self.package.load(stem)
         except LoadError as error:
             self.reply("load-error", str(error))
             return
+        if standins:  # the catalogue's own code: the reference's kernels of the other modules, by PyTorch on a CPU
+            use_standins(module, stem)
         names = {}
         for name, value in list(vars(module).items()):
             if not name.startswith("_") and not isinstance(value, types.ModuleType):

@@ -39,7 +39,8 @@ from .limits import Cgroup
 from .loading import Package
 
 HERE = Path(__file__).resolve().parent
-SHIPPED = ("values", "wire", "loading", "textgen", "serve")  # the worker side, run as text (imports only stdlib + torch)
+# the worker side, run as text (imports only the standard library and torch)
+SHIPPED = ("values", "wire", "loading", "textgen", "standins", "serve")
 START_LIMIT = 180.0  # seconds for the fork server to import torch (a cold disk on a busy machine)
 UNPRIVILEGED = 65534  # nobody: the user a sandboxed worker runs as
 HIDDEN_PACKAGES = ("transformers", "flash_attn", "solutions", "checks")  # oracles and the kit, not the submission's
