@@ -31,7 +31,7 @@ TOLERANCE_KIND = "exact"  # bookkeeping: ids and counts, compared exactly
 # Replays of this module are cheap: a name its failures suggest alone is replayed on the checks a learner passed too,
 # and dropped where its mutant gives other outputs there (harness/report.py, contradict)
 CHEAP_REPLAYS = True
-# What `./check.sh grade` awards: a check's points, shared out over its cases (the module is worth the sum, 36).
+# What `./check.sh grade` awards: a check's points, shared out over its cases (the module is worth the sum, 37).
 POINTS = {
     "test_toy_scenario": 4,
     "test_prefill_comes_before_decode": 1,
@@ -52,6 +52,7 @@ POINTS = {
     "test_requests_finish_on_eos_unless_ignore_eos_and_at_max_tokens": 2,
     "test_a_finished_request_gives_its_blocks_back": 1,
     "test_add_refuses_what_the_cache_cannot_hold": 1,
+    "test_an_idle_step_schedules_and_finishes_nothing": 1,
     "test_nano_vllm_sizes_match_the_model": 2,
     "test_random_request_streams_match_the_model": 3,
 }
@@ -78,6 +79,7 @@ RULE_OF = {
     "test_requests_finish_on_eos_unless_ignore_eos_and_at_max_tokens": "finish-on-eos-or-max-tokens",
     "test_a_finished_request_gives_its_blocks_back": "finished-leaves",
     "test_add_refuses_what_the_cache_cannot_hold": "add-refuses",
+    "test_an_idle_step_schedules_and_finishes_nothing": "empty-steps",
 }
 WAITING, RUNNING, FINISHED = "waiting", "running", "finished"  # the statuses the given Request uses
 
@@ -1302,18 +1304,40 @@ def test_a_finished_request_gives_its_blocks_back(impl):
 
 
 def test_add_refuses_what_the_cache_cannot_hold(impl):
-    """add refuses a request the whole cache could never hold, max_tokens 0 or -1 and an empty prompt, and a
-    scheduler with no request schedules nothing"""
+    """add refuses a request the whole cache could never hold, max_tokens 0 or -1 and an empty prompt, and accepts
+    one that fits exactly"""
     d = Driver(impl, 3, 2, 4, 16)
     d.add(0, [1, 2, 3, 4, 5, 6, 7], 1)  # 4 blocks for the prompt alone: refused
     d.add(1, [1, 2], 6)  # 2 + 6 - 1 tokens need 4 blocks: refused
     d.add(3, [1, 2], 0)  # no token asked for: refused
     d.add(5, [1, 2], -1)  # fewer than none: refused too (below 1, not only 0)
     d.add(4, [], 2)  # no prompt: refused
-    got = d.scheduler.schedule()
-    d.expect("what schedule() returns with no request", got, ([], False))
     d.add(2, [1, 2, 3], 4)  # 3 + 4 - 1 = 6 tokens: 3 blocks (the completions share the prompt's last), accepted
     d.run_to_the_end()
+
+
+def idle_step(d: "Driver", when: str) -> None:
+    """schedule() with no request, and postprocess of the empty batch it returns: nothing to run, nothing finished."""
+    d.step_number += 1
+    got = d.scheduler.schedule()
+    if got != ([], False):
+        d.fail(f"step {d.step_number} ({when}): schedule() returned {d.shown(got)}, expected ([], False): nothing "
+               f"waits or runs", "empty-steps")
+    finished = d.scheduler.postprocess([], [])
+    if finished != []:
+        d.fail(f"step {d.step_number} ({when}): postprocess([], []) returned {d.shown(finished)}, expected [] (the "
+               f"requests an empty step finished: none)", "empty-steps")
+    d.history.append(f"step {d.step_number}: idle")
+
+
+def test_an_idle_step_schedules_and_finishes_nothing(impl):
+    """a scheduler with no request schedules nothing, ([], False), and postprocess of that empty step finishes nothing,
+    [], before any request and after the last one finished"""
+    d = Driver(impl, 3, 2, 4, 16)
+    idle_step(d, "no request yet")
+    d.add(0, [1, 2, 3], 2)
+    d.run_to_the_end()
+    idle_step(d, "every request finished")
 
 
 def test_nano_vllm_sizes_match_the_model(impl):
@@ -1370,12 +1394,7 @@ def play_stream(impl, config: tuple, stream) -> None:
             d.add(i, prompt, min(max_tokens, capacity - len(prompt) + 1), ignore_eos)  # one the cache can hold
         step += 1
         if d.model.finished():
-            d.step_number += 1
-            got = d.scheduler.schedule()  # nothing to run: an idle step
-            if got != ([], False):
-                d.fail(f"step {d.step_number}: schedule() with no request returned {d.shown(got)}, "
-                       "expected ([], False)")
-            d.history.append(f"step {d.step_number}: idle")
+            idle_step(d, "nothing to run until the next arrival")
             continue
         if step > 100:
             raise RuntimeError("the model did not finish: the stream is too long")

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from checks.harness.compare import Mismatch, expect_close, tolerance
-from checks.harness.guard import LearnerError
+from checks.harness.guard import LearnerError, class_name_of
 from checks.harness.oracles import (
     LayerWeights,
     ModelCase,
@@ -374,7 +374,12 @@ def test_shard_model(impl, gen):
         embed = attribute(shard, "embed_tokens")
         if not isinstance(embed, torch.Tensor) or not torch.equal(embed, rows_of(w.embed_tokens, rank, 2)):
             raise Mismatch(f"rank {rank}'s `embed_tokens` is not vocabulary rows {rank * 32} .. {rank * 32 + 31}")
-        layers = list(attribute(shard, "layers"))
+        layers = attribute(shard, "layers")
+        if not isinstance(layers, list):  # a generator, a map: sharded only when walked, and walked only once
+            raise Mismatch(f"rank {rank}'s `layers` is a {class_name_of(layers)}, expected a list of its {len(w.layers)} layer shards: "
+                           f"shard every layer in shard_model itself (a list comprehension), so that an indivisible "
+                           f"head count raises there and every forward can index and walk the layers again",
+                           "shard-model")
         if len(layers) != len(w.layers):
             raise Mismatch(f"rank {rank}'s shard has {len(layers)} layers, expected {len(w.layers)}")
         for index, layer in enumerate(layers):
@@ -503,25 +508,29 @@ def test_model_matches_hf(impl, seed, gen, split, dtype):
                                f"(the RoPE tables too: rope_cos_sin(..., dtype))", "model-forward")
 
 
-CHUNKED_CALLS = ((0, 5), (5, 7), (7, 8))  # tokens start .. stop - 1 of each call: two prefill chunks, a decode step
+# tokens start .. stop - 1 of each call, and whether it asks for all_logits: two prefill chunks (the second wants its
+# last row's logits only, as a chunked prompt's last chunk does), a decode step
+CHUNKED_CALLS = ((0, 5, True), (5, 7, False), (7, 8, True))
 
 
 def test_chunked_calls_with_caches(impl, seed):
-    """prefill in two chunks, then a decode step, with one KVCache per layer on every rank: HF's logits, and
-    each rank's cache holds HF's keys of its own kv heads"""
+    """prefill in two chunks (the second without all_logits: its last row's logits, [1, V]), then a decode step, with
+    one KVCache per layer on every rank: HF's logits, and each rank's cache holds HF's keys of its own kv heads"""
     tp, layout = SPLITS["tp2-H8-KVH4"]
     case = hf_case(seed, layout, torch.float32, 8)
     group = ranks(impl, tp)
     caches = [[group.make_on(r, "KVCache") for _ in case.w.layers] for r in range(tp)]
     shards = [rank_model(case.w, r, tp) for r in range(tp)]
     tol = tolerance("model", torch.float32)
-    for start, stop in CHUNKED_CALLS:
+    for start, stop, every in CHUNKED_CALLS:
         held = [cached_tokens(caches[r][-1]) for r in range(tp)]  # what the earlier calls left in the last layer
-        out = group.call("tp_model_forward", [(shards[r], case.prompt[start:stop], caches[r], True) for r in range(tp)])
+        out = group.call("tp_model_forward", [(shards[r], case.prompt[start:stop], caches[r], every)
+                                              for r in range(tp)])
         logits = only_rank_zero(out, "tp_model_forward")
+        first = start if every else stop - 1  # without all_logits: the last row only
         try:
-            expect_close(logits, case.logits[start:stop], tol, f"rank 0's logits for tokens {start} .. {stop - 1} "
-                                                               f"(after {start} cached)")
+            expect_close(logits, case.logits[first:stop], tol,
+                         f"rank 0's logits for tokens {first} .. {stop - 1} (after {start} cached; all_logits={every})")
         except Mismatch as failure:
             short = [(r, n) for r, n in enumerate(held) if n != start]
             if not short:

@@ -131,6 +131,7 @@ class Scheduler:
         is `eos_token_id` (unless `ignore_eos`) or when it has `max_tokens` completion tokens: then its
         status is FINISHED, its blocks are freed and it leaves `running`.
 
-        Returns the requests that finished in this step, in batch order.
+        Returns the requests that finished in this step, in batch order: a list, empty when none did
+        (an empty batch too).
         """
         raise NotImplementedError("Scheduler.postprocess (mine/p05_scheduler.py) is not written yet")

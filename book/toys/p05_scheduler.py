@@ -30,6 +30,8 @@ LABELS = {
     OVER: T("is_finished()", "is_finished()"),
     "completions": T("completion tokens so far", "目前生成的 token"),
     "scheduled_after": T("num_scheduled_tokens after postprocess", "postprocess 之后的 num_scheduled_tokens"),
+    "idle_schedule": T("schedule() returns", "schedule() 的返回值"),
+    "idle_postprocess": T("postprocess([], []) returns", "postprocess([], []) 的返回值"),
 }
 
 
@@ -125,11 +127,12 @@ def scenarios(toy: dict) -> list[Scenario]:
 PROBE_CASE = T("cases like the checks': three one-token requests at once with max_num_seqs 2 (block size 2, "
                "10 blocks, a budget of 16), one prefill step, and the same three requests decoded with max_num_seqs 2; three one-token requests decoded together under a budget "
                "of 2; a request preempted with 2 completion tokens and recomputed in chunks under a budget of 2; a "
-               "chunk and a finished request, whose num_scheduled_tokens are read after postprocess",
+               "chunk and a finished request, whose num_scheduled_tokens are read after postprocess; a scheduler with "
+               "no request, asked for a step and given back its empty batch",
                "和检查里一样的用例：同时来三个单 token 请求，max_num_seqs 为 2（块大小 2，10 个块，预算 16），"
                "做一个 prefill 步，再让这三个请求在 max_num_seqs 为 2 之下 decode；三个单 token 请求在预算 2 之下一起 decode；一个请求带着 2 个已生成的 token "
                "被抢占，再在预算 2 之下分块重算；一个 chunk 和一个完成的请求，在 postprocess 之后读它们的 "
-               "num_scheduled_tokens")
+               "num_scheduled_tokens；一个没有任何请求的调度器，先请它排一步，再把空的 batch 交回给它")
 
 
 def _seats(module) -> list[Field]:
@@ -140,6 +143,13 @@ def _seats(module) -> list[Field]:
     batch, is_prefill = scheduler.schedule()
     return [Field("batch", LABELS["batch"], _batch([names[id(r)], r.num_scheduled_tokens] for r in batch)),
             Field("waiting", LABELS["waiting"], _list(names[id(r)] for r in scheduler.waiting))]
+
+
+def _idle(module) -> list[Field]:
+    scheduler = module.Scheduler(4, 4, 4, 16, -1)
+    got = scheduler.schedule()
+    return [Field("idle_schedule", LABELS["idle_schedule"], repr(got)),
+            Field("idle_postprocess", LABELS["idle_postprocess"], repr(scheduler.postprocess([], [])))]
 
 
 def _probe_steps(module, limits: tuple, requests: list[tuple[list[int], int]], sampled: list[dict],
@@ -201,7 +211,9 @@ def probes() -> list[Scenario]:
                        "add A = [1 .. 6] max 2、B = [7] max 1（8 个大小为 4 的块，max_num_seqs 4，预算 4），然后走 2 步："
                        "prefill A 4，一个 chunk；prefill A 2 和 B 1，B 完成"),
                      lambda module: _probe_steps(module, (8, 4, 4, 4), [([1, 2, 3, 4, 5, 6], 2), ([7], 1)], [{}, {}],
-                                                 scheduled=True))]
+                                                 scheduled=True)),
+            Scenario("probe-idle", T("no request: schedule(), then postprocess([], [])",
+                                     "没有任何请求：schedule()，然后 postprocess([], [])"), _idle)]
 
 
 # ---- the walk-through ---------------------------------------------------------------------------------

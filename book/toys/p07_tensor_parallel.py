@@ -219,14 +219,13 @@ def scenarios(toy: dict) -> list[Scenario]:
 
 PROBE_CASE = T("runs like the checks' (the toy's layer split over 4 ranks, where its 2 kv heads do not divide; "
                "column_shard of a matrix of 6 rows, as many as the toy's vocabulary, over 4 ranks, which do not "
-               "divide them; and "
-               "a one-layer model built on the toy's layer, with a vocabulary of 6, generating 4 tokens greedily on "
-               "2 ranks and giving rank 0's logits for its prompt; and the same model with the toy's layer twice, "
-               "two layers, generating 4 tokens greedily on 2 ranks)",
+               "divide them; and a one-layer model built on the toy's layer, with a vocabulary of 6, generating 4 "
+               "tokens greedily on 2 ranks and giving rank 0's logits for its prompt, without caches and with them; "
+               "and the same model with the toy's layer twice, two layers, generating 4 tokens greedily on 2 ranks)",
                "和检查里一样的运行（把 toy 的层切到 4 个 rank 上，它的 2 个 kv head 分不开；用 column_shard 把一个 "
-               "6 行的矩阵（行数和 toy 的词表一样）切给 4 个 rank，6 行分不开；用 toy 的层搭一个"
-               "单层模型，词表大小 6，在 2 个 rank 上贪心生成 4 个 token，并给出 rank 0 上 prompt 的 logits；"
-               "以及把 toy 的层用两次、搭成两层的同一个模型，在 2 个 rank 上贪心生成 4 个 token）")
+               "6 行的矩阵（行数和 toy 的词表一样）切给 4 个 rank，6 行分不开；用 toy 的层搭一个单层模型，"
+               "词表大小 6，在 2 个 rank 上贪心生成 4 个 token，并给出 rank 0 上 prompt 的 logits（不带 cache "
+               "和带 cache 各一次）；以及把 toy 的层用两次、搭成两层的同一个模型，在 2 个 rank 上贪心生成 4 个 token）")
 
 PROMPT = [4, 0, 5, 2]
 NEW_TOKENS = 4
@@ -287,10 +286,11 @@ def _greedy_fields(module, toy: dict, layers: int = 1) -> list[Field]:
             for r, tokens in enumerate(found)]
 
 
-def _logits_fields(module, toy: dict) -> list[Field]:
+def _logits_fields(module, toy: dict, caches: bool = False) -> list[Field]:
     model, tp = probe_model(toy), toy["world_size"]
     shards = [module.shard_model(model, r, tp) for r in range(tp)]
-    found = run_ranks(module.tp_model_forward, [(s, torch.tensor(PROMPT)) for s in shards], tp)
+    found = run_ranks(module.tp_model_forward, [(s, torch.tensor(PROMPT), *([[module.KVCache() for _ in s.layers]]
+                                                                           if caches else [])) for s in shards], tp)
     logits = "None" if found[0] is None else found[0].round(decimals=4)
     return [Field("logits", T("rank 0's logits", "rank 0 的 logits"), logits)]
 
@@ -309,6 +309,12 @@ def probes() -> list[Scenario]:
                                    f"在 2 个 rank 上调用 tp_model_forward({vector(PROMPT)})：rank 0 上最后一个 "
                                    "token 的 logits"),
                  lambda module: _logits_fields(module, toy)),
+        Scenario("probe-logits-with-caches",
+                 T(f"tp_model_forward({vector(PROMPT)}, caches) on 2 ranks, one KVCache per layer, without "
+                   "all_logits: rank 0's logits",
+                   f"在 2 个 rank 上调用 tp_model_forward({vector(PROMPT)}, caches)，每层一个 KVCache，"
+                   "不带 all_logits：rank 0 的 logits"),
+                 lambda module: _logits_fields(module, toy, caches=True)),
         Scenario("probe-two-layers", T(f"tp_generate_greedy({vector(PROMPT)}, {NEW_TOKENS}) on 2 ranks, the toy's "
                                        "layer twice (two layers)",
                                        f"在 2 个 rank 上调用 tp_generate_greedy({vector(PROMPT)}, {NEW_TOKENS})，"

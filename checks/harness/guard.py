@@ -185,6 +185,11 @@ class Remote:
         return f"<{self._class_name} in the worker>"
 
 
+def class_name_of(value) -> str:
+    """The class of a value the learner's code returned, whether it came back as a copy or lives in the worker."""
+    return value._class_name if isinstance(value, Remote) else type(value).__name__
+
+
 def snapshot_of(value, name: str, default=None):
     """An attribute of a `Remote` as the worker sent it with the object, without asking the worker again (inside a
     callback the worker is busy with the learner's call); `default` where it was not sent."""

@@ -449,7 +449,10 @@ def _alike(a, b, tolerance_kind: str, returned: dict | None = None, made: dict |
     if isinstance(b, Remote):  # an object the learner's call returned: alike when its attributes are
         attributes = (returned or {}).get(id(b), b._attributes)
         shown = {k: v for k, v in attributes.items() if k != "__len__"}
-        if not shown or not all(_alike(getattr(a, k, _MISSING), v, tolerance_kind) for k, v in shown.items()):
+        if not shown:  # nothing to compare but what it is (a generator the learner's object holds)
+            if type(a).__name__ != b._class_name:
+                return False
+        elif not all(_alike(getattr(a, k, _MISSING), v, tolerance_kind) for k, v in shown.items()):
             return False
         if made is not None:
             if id(b) in made:

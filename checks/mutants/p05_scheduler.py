@@ -43,6 +43,24 @@ MISTAKES = [
         replace('        return not self.waiting and not self.running\n', '        return not self.waiting\n'),
     ),
     Mistake(
+        "idle-schedule-returns-none",
+        "schedule returns None, not ([], False), when no request waits or runs",
+        "An idle step is still a step: let schedule fall through to its decode part, which returns the empty batch "
+        "and False (`return scheduled, False`), so a caller can unpack it as always.",
+        replace("        scheduled: list[Request] = []\n        budget = self.max_num_batched_tokens\n",
+                "        if not self.waiting and not self.running:\n            return None\n"
+                "        scheduled: list[Request] = []\n        budget = self.max_num_batched_tokens\n"),
+    ),
+    Mistake(
+        "empty-postprocess-returns-none",
+        "postprocess returns None, not [], for an empty batch",
+        "postprocess returns the list of the requests the step finished, an empty list when it finished none, an "
+        "empty step too: drop the early return and let the loop run over nothing.",
+        replace("        finished = []\n        for request, token in zip(",
+                "        if not requests:\n            return None\n        finished = []\n"
+                "        for request, token in zip("),
+    ),
+    Mistake(
         "preempt-oldest",
         "decode preempts the oldest running request instead of the newest",
         "When a request needs a block and none is free, give up the request at the right end of `running` "
@@ -424,6 +442,11 @@ RULES = [
          "a request in waiting has status WAITING, one in running RUNNING, a finished one FINISHED",
          "set status wherever a request changes queue: schedule (to RUNNING), preempt (WAITING), postprocess "
          "(FINISHED)"),
+    Rule("empty-steps",
+         "schedule() with no request waiting or running returns ([], False), and postprocess of an empty batch "
+         "returns an empty list: an idle step is a step like any other",
+         "return `scheduled, False` from schedule with scheduled empty, and postprocess's `finished` list, empty, "
+         "rather than returning early"),
     Rule("is-finished",
          "is_finished() is True exactly when no request waits or runs",
          "`return not self.waiting and not self.running`"),

@@ -150,6 +150,23 @@ MISTAKES = [
         replace('    if not all_logits:\n        hidden = hidden[-1:]\n', ''),
     ),
     Mistake(
+        "shard-model-layers-generator",
+        "shard_model gives TPWeights.layers as a generator, not a list of layer shards",
+        "Shard every layer in shard_model itself, into a list (`[shard_layer(layer, rank, world_size) for layer in "
+        "model.layers]`): a generator shards nothing until it is walked, can be walked only once, and has no len().",
+        replace("                     [shard_layer(layer, rank, world_size) for layer in model.layers],",
+                "                     (shard_layer(layer, rank, world_size) for layer in model.layers),"),
+    ),
+    Mistake(
+        "last-row-only-without-caches",
+        "tp_model_forward keeps only the last position when all_logits is False and no caches are given, and every "
+        "position with caches",
+        "Whether the caller wants every position's logits is all_logits' to say, not whether caches were passed: a "
+        "chunked prompt's last chunk, called with its caches, wants its last row only ([1, V]).",
+        replace("    if not all_logits:\n        hidden = hidden[-1:]\n",
+                "    if not all_logits and caches is None:\n        hidden = hidden[-1:]\n"),
+    ),
+    Mistake(
         'final-norm-skipped',
         "tp_model_forward feeds the LM head the last layer's output without the final RMSNorm",
         "Apply model.norm (rms_norm with the final weight) to the hidden state before parallel_lm_head, as m04's model_forward does.",
