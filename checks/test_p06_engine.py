@@ -197,7 +197,8 @@ def engine(impl, run: Run) -> Run:
         stopped = run.config.eos_token_id >= 0 and not p.ignore_eos and out and out[-1] == run.config.eos_token_id
         if len(out) > p.max_tokens or (len(out) < p.max_tokens and not stopped):
             raise Mismatch(f"request {i} has {counted(len(out), 'token')}, expected {counted(p.max_tokens, 'token')} "
-                           f"(its max_tokens; no stop token met)", "generate-returns-completions")
+                           f"(its max_tokens; no stop token met){twin_of(run, outputs, i)}",
+                           "generate-returns-completions")
     stats = llm.stats
     if not isinstance(stats, dict):
         raise Mismatch(f"LLM.stats is {type(stats).__name__}, expected the dict of counters __init__ sets up")
@@ -205,6 +206,16 @@ def engine(impl, run: Run) -> Run:
     if run.config.tensor_parallel_size > 1:  # after a failure the ranks end with the error, or with the worker
         llm.close()
     return run
+
+
+def twin_of(run: Run, outputs: list, i: int) -> str:
+    """Where request i's output is another request's of the same prompt: said in words (else "")."""
+    twin = next((j for j, prompt in enumerate(run.prompts) if j != i and list(prompt) == list(run.prompts[i])
+                 and outputs[j] == outputs[i]), None)
+    if twin is None:
+        return ""
+    return (f"; it is request {twin}'s completion, whose prompt is the same: each request gets its own completion "
+            f"back, in the prompts' order, equal prompts too (not one per distinct prompt)")
 
 
 @cache
@@ -805,14 +816,20 @@ def ran_a_step(llm) -> bool:
 REFUSED = object()  # what `refused` gives for a call that raised ValueError
 
 
-def refused(call):
-    """`call()`'s result, or REFUSED when the learner's code raised ValueError (any other error goes on up)."""
+def refused(call, rule: str = ""):
+    """`call()`'s result, or REFUSED when the learner's code raised ValueError; any other error goes on up, as the
+    refusal `rule` asks for where the code raised another exception (an assert, a TypeError)."""
     try:
         return call()
     except LearnerError as error:
-        if "raised ValueError" not in str(error):
-            raise
-        return REFUSED
+        if "raised ValueError" in str(error):
+            return REFUSED
+        if rule and " raised " in str(error):
+            said = error.noted("a request generate must refuse raises ValueError, not another exception (an assert "
+                               "disappears under python -O)")
+            said.rule = rule
+            raise said from None
+        raise
 
 
 SMALL_CACHE_BLOCKS = 2  # of 4 slots: 8 tokens, fewer than the 10-token prompt the refusal check serves
@@ -857,18 +874,20 @@ def test_generate_refuses_a_request_longer_than_max_model_len(impl, seed):
         raise Mismatch("LLM.generate refused prompts of 10 and 2 tokens with max_tokens 2 and 12 under max_model_len "
                        "16: each fits on its own (12 and 14 tokens); hold each request to the limit with its own "
                        "max_tokens, not the longest prompt with the largest", "refuses-over-max-model-len") from None
-    served = refused(lambda: llm.generate([list(prompt)], [Params(max_tokens=1), Params(max_tokens=2)]))
+    served = refused(lambda: llm.generate([list(prompt)], [Params(max_tokens=1), Params(max_tokens=2)]),
+                     "one-params-per-prompt")
     if served is not REFUSED:  # a list of params that is not one per prompt
         raise Mismatch(f"LLM.generate of 1 prompt with a list of 2 SamplingParams returned {str(served)[:40]}: a list "
                        f"gives one params per prompt, so one of another length raises ValueError",
                        "one-params-per-prompt")
-    served = refused(lambda: llm.generate([list(prompt), list(prompt[:4])], [Params(max_tokens=1)]))
+    served = refused(lambda: llm.generate([list(prompt), list(prompt[:4])], [Params(max_tokens=1)]),
+                     "one-params-per-prompt")
     if served is not REFUSED:  # ... nor a list of one for several prompts (one object for all is not in a list)
         raise Mismatch(f"LLM.generate of 2 prompts with a list of 1 SamplingParams returned {str(served)[:40]}: a list "
                        f"gives one params per prompt (one object for every prompt is passed alone, not in a list), so "
                        f"one of another length raises ValueError", "one-params-per-prompt")
     too_long = random_prompts(gen, SHAPES[ONE_HEAD][0], (17,))[0]
-    served = refused(lambda: llm.generate([list(too_long)], [Params(max_tokens=1)]))
+    served = refused(lambda: llm.generate([list(too_long)], [Params(max_tokens=1)]), "refuses-over-max-model-len")
     if served is not REFUSED:  # a prompt longer than max_model_len on its own
         raise Mismatch(f"LLM.generate served a prompt of 17 tokens with max_tokens 1 under max_model_len 16 (it gave "
                        f"{str(served)[:40]}): each prompt's own length with its max_tokens must fit max_model_len, "
@@ -982,8 +1001,10 @@ def test_stops_at_eos_unless_ignored(request, impl, seed):
                   Config(eos_token_id=eos))
         engine(impl, run)
         if run.outputs[0] != probe.outputs[0][: stop_at + 1]:
+            twin = twin_of(run, run.outputs, 0)
             raise Mismatch(f"with eos_token_id {eos}, the request gave {run.outputs[0]}, expected "
-                           f"{probe.outputs[0][: stop_at + 1]} (it stops after emitting the stop token)")
+                           f"{probe.outputs[0][: stop_at + 1]} (it stops after emitting the stop token){twin}",
+                           "generate-returns-completions" if twin else "")
         if run.outputs[1] != probe.outputs[0]:
             raise Mismatch(f"with ignore_eos the request gave {run.outputs[1]}, expected all 6 tokens: "
                            f"{probe.outputs[0]}")
@@ -998,6 +1019,7 @@ def test_stops_at_eos_unless_ignored(request, impl, seed):
 # the same token, every time.
 HOT = 1000.0
 HOT_TOKENS = 5
+TWIN_TOKENS = (HOT_TOKENS, HOT_TOKENS - 1)  # two requests without a seed, of one prompt, in one batch
 
 
 SQUEEZED_BLOCKS = 4  # the seeded request behind a greedy one, both of 5 tokens at most: it is preempted once
@@ -1026,8 +1048,8 @@ def test_seeded_requests_do_not_depend_on_the_batch(request, impl, seed):
     squeezed = Run(hot.w, mixed.prompts, mixed.params, Config(num_blocks=SQUEEZED_BLOCKS))
     # ... and without a seed: two twins in one batch draw apart, and two engines made alike draw alike, from the
     # generator __init__ seeds, which goes on from one generate to the next
-    unseeded = [Run(hot.w, prompts[1:2] * 2, [Params(temperature=HOT, max_tokens=HOT_TOKENS)] * 2, Config())
-                for _ in "ab"]
+    unseeded = [Run(hot.w, prompts[1:2] * 2, [Params(temperature=HOT, max_tokens=n) for n in TWIN_TOKENS], Config())
+                for _ in "ab"]  # (of two lengths: one completion handed to both requests has a wrong length)
 
     def draws_or_logits(impl) -> tuple[str, str]:
         """When the batch changes a seeded request's tokens, is it the draws or the logits? Greedy, the same
@@ -1082,10 +1104,11 @@ def test_seeded_requests_do_not_depend_on_the_batch(request, impl, seed):
                            f"request's generator is seeded with its own seed (alike by chance with probability "
                            f"64^-{HOT_TOKENS})", "seeded-own-generator")
         first, second = (engine(impl, run).outputs for run in unseeded)
-        if first[0] == first[1]:
+        if first[0][: len(first[1])] == first[1]:
             raise Mismatch(f"two requests without a seed, the same prompt at temperature {HOT:g} in one batch, both "
-                           f"gave {first[0]}: their rows draw apart from the engine's generator (alike with "
-                           f"probability 64^-{HOT_TOKENS}), not from generators of their own", "seeded-own-generator")
+                           f"began {first[1]}: their rows draw apart from the engine's generator (alike with "
+                           f"probability 64^-{len(first[1])}), not from generators of their own",
+                           "seeded-own-generator")
         if first != second:
             raise Mismatch(f"requests without a seed at temperature {HOT:g} gave {first} in one engine and {second} "
                            f"in another made alike: their noise must come from the engine's own `generator` (seeded "
@@ -1156,7 +1179,8 @@ def test_first_token_follows_the_distribution(request, impl, seed):
             break
     else:
         raise RuntimeError(f"no prompt of {PROMPT_TRIES} without a near-tie at the top-{TOP_K} boundary")
-    params = [Params(temperature=DRAW_TEMPERATURE, top_k=TOP_K, top_p=DRAW_TOP_P, max_tokens=1,
+    # (the last asks for 2 tokens: one completion handed to every request of the prompt has a wrong length)
+    params = [Params(temperature=DRAW_TEMPERATURE, top_k=TOP_K, top_p=DRAW_TOP_P, max_tokens=1 + (i == DRAWS - 1),
                      seed=seed % 10_000 * 1000 + i) for i in range(DRAWS)]
     run = Run(weights(seed, layout), [prompt] * DRAWS, params, Config(max_num_seqs=DRAWS, num_blocks=4 * DRAWS,
                                                                       max_num_batched_tokens=8 * DRAWS))

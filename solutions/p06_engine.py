@@ -661,7 +661,8 @@ class LLM:
                 of them, one per prompt.
 
         Returns:
-            `outputs[i]`: request i's sampled tokens (its stop token included when it stopped on one).
+            `outputs[i]`: request i's sampled tokens (its stop token included when it stopped on one), one
+            list per request even where two prompts are equal.
             A prompt longer than `max_model_len` with its `max_tokens`, one the cache cannot hold, or a
             list of params whose length is not the number of prompts raises ValueError before anything runs.
         """
