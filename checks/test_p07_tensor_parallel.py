@@ -175,6 +175,22 @@ def on_every_rank(results: list, expected: torch.Tensor, tol, what: str) -> None
         expect_close(result, expected, tol, f"{what} on rank {rank}")
 
 
+def layer_on_every_rank(group, results: list, expected: torch.Tensor, tol, what: str) -> None:
+    """`on_every_rank` for one tp_decoder_layer call: a wrong output from a rank that did not make exactly the
+    layer's two all_reduces says so, and breaks that rule (an output all-reduced once more is tp times too large)."""
+    try:
+        on_every_rank(results, expected, tol, what)
+    except Mismatch as failure:
+        made = next(((r, names) for r, names in enumerate(group.collectives)
+                     if names != ["all_reduce"] * LAYER_ALL_REDUCES), None)
+        if made is None:
+            raise
+        rank, names = made
+        raise Mismatch(f"{failure} · rank {rank} made {count_words(names)} in the call: a layer makes exactly "
+                       f"{LAYER_ALL_REDUCES} all_reduce (one after o_proj, one after down_proj), nothing else",
+                       "two-all-reduces-a-layer") from None
+
+
 def attribute(obj, name: str):
     try:
         return getattr(obj, name)
@@ -263,7 +279,8 @@ def test_toy_layer_on_two_ranks(impl):
     cos, sin = rope_tables(layer.head_dim, torch.arange(x.shape[0]), torch.float32)
     group = ranks(impl, world)
     out = group.call("tp_decoder_layer", [(rank_layer(layer, r, world), x, cos, sin) for r in range(world)])
-    on_every_rank(out, torch.tensor(TOY["output"]), tolerance("toy", torch.float32), "the toy layer's output")
+    layer_on_every_rank(group, out, torch.tensor(TOY["output"]), tolerance("toy", torch.float32),
+                        "the toy layer's output")
 
 
 # ---- sharding ------------------------------------------------------------------------------------------
@@ -441,8 +458,10 @@ def test_layer_matches_hf(impl, seed, split, dtype):
     layer = case.w.layers[0]
     hidden = case.w.embed_tokens[case.prompt]  # [P, hidden]: what layer 0 receives
     cos, sin = rope_tables(case.w.head_dim, torch.arange(6), dtype)
-    out = ranks(impl, tp).call("tp_decoder_layer", [(rank_layer(layer, r, tp), hidden, cos, sin) for r in range(tp)])
-    on_every_rank(out, case.steps[(0, "output")], tolerance("model", dtype), f"layer 0's output ({tp} ranks)")
+    group = ranks(impl, tp)
+    out = group.call("tp_decoder_layer", [(rank_layer(layer, r, tp), hidden, cos, sin) for r in range(tp)])
+    layer_on_every_rank(group, out, case.steps[(0, "output")], tolerance("model", dtype), f"layer 0's output ({tp} "
+                        f"ranks)")
 
 
 def count_words(names: list[str]) -> str:
