@@ -393,8 +393,8 @@ def test_shard_model(impl, gen):
             raise Mismatch(f"rank {rank}'s `embed_tokens` is not vocabulary rows {rank * 32} .. {rank * 32 + 31}")
         layers = attribute(shard, "layers")
         if not isinstance(layers, list):  # a generator, a map: sharded only when walked, and walked only once
-            raise Mismatch(f"rank {rank}'s `layers` is a {class_name_of(layers)}, expected a list of its {len(w.layers)} layer shards: "
-                           f"shard every layer in shard_model itself (a list comprehension), so that an indivisible "
+            raise Mismatch(f"rank {rank}'s `layers` is a {class_name_of(layers)}, expected a list of its "
+                           f"{len(w.layers)} layer shards: shard every layer in shard_model itself (a list comprehension), so that an indivisible "
                            f"head count raises there and every forward can index and walk the layers again",
                            "shard-model")
         if len(layers) != len(w.layers):
