@@ -394,8 +394,9 @@ def test_shard_model(impl, gen):
         layers = attribute(shard, "layers")
         if not isinstance(layers, list):  # a generator, a map: sharded only when walked, and walked only once
             raise Mismatch(f"rank {rank}'s `layers` is a {class_name_of(layers)}, expected a list of its "
-                           f"{len(w.layers)} layer shards: shard every layer in shard_model itself (a list comprehension), so that an indivisible "
-                           f"head count raises there and every forward can index and walk the layers again",
+                           f"{len(w.layers)} layer shards: shard every layer in shard_model itself (a list "
+                           f"comprehension), so that an indivisible head count raises there and every forward can "
+                           f"index and walk the layers again",
                            "shard-model")
         if len(layers) != len(w.layers):
             raise Mismatch(f"rank {rank}'s shard has {len(layers)} layers, expected {len(w.layers)}")
