@@ -803,7 +803,8 @@ class Driver:
                 return "decode-takes-the-running"  # the step stopped short: the rest still run, undecoded
             sent_back = {name for name in self.queue("waiting") if name in self.before["running"]}
             if sent_back and not self.facts.preempted:  # it found no room where there was
-                return "decode-takes-a-slot"  # its slot was counted wrong
+                # several sent back at once: preempted while there was room (the loop's test), not one slot miscounted
+                return "preempt-the-newest" if len(sent_back) > 1 else "decode-takes-a-slot"
             return "preempt-the-newest" if self.facts.preempted or set(names) - set(wanted) else \
                 "decode-takes-the-running"
         if names and wanted and names[0] == wanted[0] and seen[0] != want[0]:  # the first request's count
