@@ -65,6 +65,9 @@ def pytest_addoption(parser):
                     help="with --sandbox: the memory cgroup the sandbox runs in (./check.sh grade makes it)")
     group.addoption("--quiet-worker", action="store_true", help="drop what learner code prints")
     group.addoption("--shown", default=None, help="how reports name the checked folder (./check.sh grade)")
+    group.addoption("--title-phrase", default=None, metavar="WORDS",
+                    help="only the checks whose title (as the report shows it) holds WORDS (./check.sh -k with "
+                         "several words and no and/or/not)")
     group.addoption("--until-named", action="store_true",
                     help="skip a mutant's remaining checks once one rejects it by its own name (its failures are "
                          "replayed on that mutant only, not on the whole catalogue as a learner's are)")
@@ -133,6 +136,13 @@ def pytest_collection_modifyitems(config, items):
     name it run only when the likely ones did not."""
     for item in items:
         item.extra_keyword_matches.add(check_title(item))
+    phrase = config.getoption("--title-phrase", None)
+    if phrase:
+        wanted = phrase.casefold()
+        deselected = [item for item in items if wanted not in check_title(item).casefold()]
+        if deselected:
+            config.hook.pytest_deselected(items=deselected)
+            items[:] = [item for item in items if wanted in check_title(item).casefold()]
     earlier = config.getoption("--named-first", None)
     if not (earlier and config.getoption("--until-named")):
         return

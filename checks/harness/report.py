@@ -241,7 +241,8 @@ class Reporter:
         self.contradict()
         if self.render:
             render(self.results, self.config.kvlab_seed, time.perf_counter() - self.started,
-                   selection=self.config.getoption("keyword", "") or "", next_steps=self.next_steps)
+                   selection=self.config.getoption("keyword", "") or self.config.getoption("--title-phrase", "") or "",
+                   next_steps=self.next_steps)
 
 
 ICONS = {"passed": "[green]✓[/]", "failed": "[red]✗[/]", "not started": "[yellow]·[/]",

@@ -85,6 +85,15 @@ def test_a_filter_that_matches_nothing_says_so():
     assert code == 2 and "no check of p01 matches -k 'nonsense'" in out and "exit code" not in out
 
 
+def test_a_filter_of_several_words_is_a_phrase_of_the_shown_names():
+    """`-k "toy rows"` (words copied from the report, which pytest's -k cannot parse) selects the checks whose title
+    holds the phrase, and says which it ran."""
+    code, out = check_sh("m01", "--impl", "solutions", "-k", "hand-computed toy rows")
+    assert code == 0, out
+    assert "All 3 selected checks pass (-k hand-computed toy rows)" in " ".join(out.split())  # the toy's 3 rows
+    assert "m01: 3 passed (3 checks)" in out and "Next:" not in out
+
+
 def test_list_into_a_closed_pipe_is_quiet():
     done = subprocess.run(f"{ROOT / 'check.sh'} list | head -1", shell=True, capture_output=True, text=True,
                           env={**os.environ, "KVLAB_PYTHON": sys.executable})
