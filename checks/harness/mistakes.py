@@ -27,7 +27,7 @@ from functools import cache
 import torch
 
 from .compare import TOLERANCES, close_enough
-from .guard import Call, New, Raised, Remote
+from .guard import Call, New, Raised, Remote, class_name_of
 from .loader import ROOT, Implementation
 from .ranks import RankCall
 from .simdist import run_ranks
@@ -450,7 +450,7 @@ def _alike(a, b, tolerance_kind: str, returned: dict | None = None, made: dict |
         attributes = (returned or {}).get(id(b), b._attributes)
         shown = {k: v for k, v in attributes.items() if k != "__len__"}
         if not shown:  # nothing to compare but what it is (a generator the learner's object holds)
-            if type(a).__name__ != b._class_name:
+            if type(a).__name__ != class_name_of(b):
                 return False
         elif not all(_alike(getattr(a, k, _MISSING), v, tolerance_kind) for k, v in shown.items()):
             return False

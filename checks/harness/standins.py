@@ -24,7 +24,9 @@ LOG2E = math.log2(math.e)  # the kernels take softmax_scale * log2(e) and work i
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, causal: bool):
     """One sequence: q `[Tq, H, D]`, k, v `[Tk, KVH, D]` -> (out `[Tq, H, D]` float32, lse `[H, Tq]` float32, the
-    natural log; -inf and an output of 0 for a query that sees no key). Causal aligned bottom-right."""
+    natural log; -inf and an output of 0 for a query that sees no key). Causal aligned bottom-right. (Not the
+    oracles' float64 `naive_attention`: this one rounds as the kernels do, and runs in the worker, which has no
+    pytest to import that module with.)"""
     Tq, H, _ = q.shape
     Tk, KVH = k.shape[:2]
     keys = k.float().repeat_interleave(H // KVH, dim=1)  # [Tk, H, D]: query head h reads kv head h // group
