@@ -796,6 +796,8 @@ class Driver:
         if not is_prefill:
             if sorted(names) == sorted(wanted):
                 return "running-in-start-order"
+            if set(names) & set(self.queue("waiting")):  # decoded, yet sent back in the same step: the loop
+                return "preempt-the-newest"  # preempted one request and went on with it (or its victim) as the other
             if self.kept_blocks("waiting", lambda name: name in self.before["running"]) or self.leaked():
                 return "preempt-resets"  # a request sent back still holds its blocks, or they went nowhere
             running = self.queue("running")
@@ -1325,6 +1327,9 @@ def idle_step(d: "Driver", when: str) -> None:
         d.fail(f"step {d.step_number} ({when}): schedule() returned {d.shown(got)}, expected ([], False): nothing "
                f"waits or runs", "empty-steps")
     finished = d.scheduler.postprocess([], [])
+    if finished is not None and not isinstance(finished, list | tuple):  # a generator, a set: the type says it
+        d.fail(f"step {d.step_number} ({when}): postprocess([], []) returned {d.shown(finished)}, expected the list "
+               f"of finished requests", "-")
     if finished != []:
         d.fail(f"step {d.step_number} ({when}): postprocess([], []) returned {d.shown(finished)}, expected [] (the "
                f"requests an empty step finished: none)", "empty-steps")

@@ -291,8 +291,10 @@ RULES = [
          "all_reduce right after o_proj and right after down_proj, then add_rms_norm as on one rank"),
     Rule("two-all-reduces-a-layer",
          "a decoder layer makes exactly two collectives (all_reduce after o_proj and after down_proj); the model "
-         "adds one for the embedding and one gather for the LM head",
-         "do not reduce anything else (the column-parallel outputs are the rank's own)"),
+         "adds one for the embedding and one gather for the LM head; every rank makes the same ones in the same "
+         "order, whatever its data",
+         "do not reduce anything else (the column-parallel outputs are the rank's own), and skip none on a rank "
+         "(a rank whose block holds every id still all_reduces its embedding)"),
     Rule("model-forward",
          "tp_model_forward is HF's model: the embedding, every layer at the positions that follow what its cache "
          "holds, the final norm, the LM head; without all_logits, only the last position's logits",
