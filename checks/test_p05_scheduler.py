@@ -1091,7 +1091,8 @@ def test_max_num_seqs_caps_every_step(impl):
 
 
 def test_a_decode_step_is_bounded_by_max_num_seqs_not_the_token_budget(impl):
-    """a decode step takes every running request up to max_num_seqs, even more of them than the token budget"""
+    """a decode step takes every running request up to max_num_seqs, even more of them than the token budget, and
+    the requests it preempts take no seat"""
     d = Driver(impl, 4, 4, 4, 2)  # a budget of 2 tokens, 4 seats
     for i in range(3):
         d.add(i, [i + 1], 2)
@@ -1100,6 +1101,15 @@ def test_a_decode_step_is_bounded_by_max_num_seqs_not_the_token_budget(impl):
     d.step()  # decode: 3 requests, 3 tokens over a budget of 2, which bounds prefill steps only
     d.expect_batch(3, [("A", 1), ("B", 1), ("C", 1)])
     d.check_finished()
+    d = Driver(impl, 4, 2, 2, 16)  # 4 blocks of 2, 2 seats
+    for i in range(4):
+        d.add(i, [2 * i + 1, 2 * i + 2], 3)
+    d.step()  # prefill [A 2, B 2]
+    d.step()  # prefill [C 2, D 2]: no block is free
+    d.step()  # decode: A preempts D, B preempts C; the 2 seats are A's and B's, whatever was preempted for them
+    d.expect_batch(3, [("A", 1), ("B", 1)])
+    d.expect_queues(3, waiting=["C", "D"], running=["A", "B"])
+    d.run_to_the_end()
 
 
 def test_a_cached_prefix_costs_nothing(impl):
@@ -1181,8 +1191,8 @@ def test_decode_preempts_the_newest_running_request(impl):
     d = Driver(impl, 4, 2, 4, 16)
     d.add(0, [1, 2], 3)  # A and B: their next token opens a new block
     d.add(1, [3, 4], 3)
-    d.add(2, [5], 3)  # C and D: their next token fits in their block
-    d.add(3, [6], 3)
+    d.add(2, [5], 6)  # C and D: their next token fits in their block; C is further from its end than D, which
+    d.add(3, [6], 3)  # is the newest all the same: the newest is the one that started last, not the one with most left
     d.step()  # prefill all four: 4 blocks, none free
     d.add(4, [7, 8, 9], 1)  # E waits: no block is free for it
     d.step()  # decode: A preempts D (the newest), B preempts C; both go back to waiting, C first, ahead of E

@@ -386,7 +386,7 @@ def test_shard_layer_refuses_kv_heads_that_do_not_divide(impl, gen):
 
 
 def test_shard_model(impl, gen):
-    """shard_model gives each rank its vocabulary rows, every layer's shard and the shared final norm, and refuses a
+    """shard_model gives each rank its vocabulary rows, every layer's shard and the whole final norm, and refuses a
     vocabulary the ranks do not divide"""
     w = random_weights(gen, "H4-KVH2")
     for rank in range(2):
@@ -409,7 +409,7 @@ def test_shard_model(impl, gen):
             mine, want = attribute(shard, name), getattr(w, name)
             same = torch.equal(mine, want) if isinstance(want, torch.Tensor) else mine == want
             if not same:
-                raise Mismatch(f"rank {rank}'s `{name}` differs from the model's (it is shared, not split)")
+                raise Mismatch(f"rank {rank}'s `{name}` differs from the model's (every rank holds it whole, not split)")
     V, hidden, intermediate, L, H, KVH, D = SHAPES["H4-KVH2"]
     odd = ModelWeights.random(gen, V - 1, hidden, intermediate, 1, H, KVH, D)  # a vocabulary 2 ranks cannot split
     expect_value_error(lambda: impl.shard_model(odd, 0, 2), f"shard_model of a vocabulary of {V - 1} over 2 ranks")

@@ -105,10 +105,11 @@ class Scheduler:
         after this step moves to the right of `running`. Sets `num_scheduled_tokens`.
 
         Decode, when no request was prefilled: take requests from the left of `running` (at most
-        `max_num_seqs`). Each needs a slot for its last token (`BlockManager.append`, which takes the
-        token: take it off `token_ids` and append it back through the manager). While it cannot have one
-        (`can_append`), preempt the NEWEST running request (the right end of `running`), or, when none is
-        left, the request itself (it then gets no step). The decoded requests go back to the left of
+        `max_num_seqs` decoded; a request it preempts takes no seat). Each needs a slot for its last
+        token (`BlockManager.append`, which takes the token: take it off `token_ids` and append it back
+        through the manager). While it cannot have one (`can_append`), preempt the NEWEST running request
+        (the right end of `running`: the one that started last, whatever its tokens left), or, when none
+        is left, the request itself (it then gets no step). The decoded requests go back to the left of
         `running`, in order. Sets `num_scheduled_tokens` to 1.
 
         Returns `([], False)` when nothing can run (no request at all).

@@ -66,7 +66,8 @@ class SamplingParams:
     the tokens whose logit is at least the k-th largest (ties at the k-th value all stay; 0, or k >= V: all). `top_p` < 1 keeps the fewest most likely tokens whose
     probabilities reach p. `max_tokens` completion tokens at most; the request also stops at the
     engine's `eos_token_id` unless `ignore_eos`. `seed`: a request with a seed draws from its own
-    generator, so its tokens do not depend on what else is in the batch.
+    generator, so its tokens do not depend on what else is in the batch (one object given for several
+    prompts: each of those requests has a generator of its own).
     """
 
     temperature: float = 1.0
@@ -474,7 +475,8 @@ class LLM:
     attributes); `scheduler`, your p05 `Scheduler` over `num_blocks` blocks; `runner`, a `ModelRunner`;
     `generator`, the draws of requests without a seed; `stats`, the counters `step` keeps:
     `prefill_steps`, `decode_steps`, `chunked_prefills` (prefill steps that computed part of a prompt),
-    `cached_tokens` (prompt tokens the prefix cache served), `preemptions`, `tokens_out`.
+    `cached_tokens` (prompt tokens the prefix cache served, counted for each request it served),
+    `preemptions`, `tokens_out`.
 
     With `tensor_parallel_size` > 1, `runner` is a `TensorParallel`, which your `step` calls as it calls a
     `ModelRunner`; `close()` ends its ranks.

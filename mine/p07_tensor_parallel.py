@@ -107,7 +107,7 @@ def shard_layer(layer, rank: int, world_size: int) -> TPLayer:
     """Rank `rank`'s `TPLayer` of an m04 `Qwen3Layer` (or any object with its attributes).
 
     q, k and v are fused (stacked by rows, in that order) and sharded part by part, as are gate and up;
-    o_proj and down_proj are row-sharded; the norms are shared (the same tensors on every rank). Raises
+    o_proj and down_proj are row-sharded; the norms are not split (every rank holds them whole). Raises
     `ValueError` unless `world_size` divides H, KVH and I: a rank must own whole heads, and the kv heads
     its query heads read.
     """
@@ -117,7 +117,7 @@ def shard_layer(layer, rank: int, world_size: int) -> TPLayer:
 def shard_model(model, rank: int, world_size: int) -> TPWeights:
     """Rank `rank`'s `TPWeights` of an m04 `Qwen3Weights`: the embedding's vocabulary rows column-sharded
     (V must divide by `world_size`: ValueError otherwise, as `column_shard` raises), every layer by `shard_layer`,
-    the final norm shared."""
+    the final norm whole (not split)."""
     raise NotImplementedError("shard_model (mine/p07_tensor_parallel.py) is not written yet")
 
 

@@ -158,7 +158,7 @@ def _probe_steps(module, limits: tuple, requests: list[tuple[list[int], int]], s
     a request it does not name): the last step's batch and kind, both queues, and every request's computed
     tokens and completion tokens after it (and, with `scheduled`, its num_scheduled_tokens)."""
     scheduler = module.Scheduler(*limits, -1)
-    added = {"ABC"[i]: scheduler.add(i, prompt, max_tokens) for i, (prompt, max_tokens) in enumerate(requests)}
+    added = {"ABCD"[i]: scheduler.add(i, prompt, max_tokens) for i, (prompt, max_tokens) in enumerate(requests)}
     names = {id(r): name for name, r in added.items()}
     for tokens in sampled:
         batch, is_prefill = scheduler.schedule()
@@ -184,6 +184,15 @@ def probes() -> list[Scenario]:
                        "add A = [1]、B = [2]、C = [3]，max 2（10 个大小为 2 的块，max_num_seqs 2，预算 16），然后走 3 步："
                        "prefill A 和 B，prefill C，decode"),
                      lambda module: _probe_steps(module, (10, 2, 2, 16), [([1], 2), ([2], 2), ([3], 2)], [{}, {}, {}])),
+            Scenario("probe-decode-preempts",
+                     T("add A = [1, 2], B = [3, 4], C = [5, 6] max 6, D = [7, 8] max 3 (4 blocks of 2, max_num_seqs "
+                       "2, a budget of 16; A and B max 3), then 3 steps: prefill A and B, prefill C and D, decode: A "
+                       "preempts D, the newest, and B preempts C",
+                       "add A = [1, 2]、B = [3, 4]、C = [5, 6] max 6、D = [7, 8] max 3（4 个大小为 2 的块，max_num_seqs "
+                       "2，预算 16；A 和 B 的 max 为 3），然后走 3 步：prefill A 和 B，prefill C 和 D，decode：A 抢占最新的 "
+                       "D，B 抢占 C"),
+                     lambda module: _probe_steps(module, (4, 2, 2, 16), [([1, 2], 3), ([3, 4], 3), ([5, 6], 6),
+                                                                         ([7, 8], 3)], [{}, {}, {}])),
             Scenario("probe-decode-budget",
                      T("add A = [1], B = [2], C = [3] max 2 (4 blocks of 4, max_num_seqs 4, a budget of 2), then "
                        "3 steps: prefill A and B, prefill C, decode",

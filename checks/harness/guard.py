@@ -201,6 +201,7 @@ class ParentCodec(wire.Codec):
         super().__init__()
         self.run = run
         self.callbacks = run.callbacks  # the worker may call one back later (a hash function a manager keeps)
+        self.sent: dict[int, tuple] = {}  # id -> (number, object): one object given twice in a call arrives as one
 
     def other(self, value):
         if isinstance(value, Remote):
@@ -208,8 +209,12 @@ class ParentCodec(wire.Codec):
                 raise LearnerError(f"a `{value._class_name}` made in a worker process that has ended since")
             return ("R", value._handle)
         if dataclasses.is_dataclass(value) or hasattr(value, "__dict__") and not callable(value):
+            sent = self.sent
+            if id(value) in sent:
+                return ("OR", sent[id(value)][0])
+            sent[id(value)] = (len(sent), value)  # (held, so no other object takes its id while encoding)
             fields = vars(value)
-            return ("O", type(value).__name__, [(k, self.encode(v)) for k, v in fields.items()])
+            return ("O", type(value).__name__, [(k, self.encode(v)) for k, v in fields.items()], sent[id(value)][0])
         if callable(value):
             self.callbacks.append(value)
             return ("F", len(self.callbacks) - 1)

@@ -71,6 +71,7 @@ class WorkerCodec(wire.Codec):
         super().__init__()
         self.worker = worker
         self.depth = 0
+        self.records: dict[int, object] = {}  # number -> record: an object the checks give twice in a call is one
 
     def other(self, value):
         if isinstance(value, type):
@@ -116,8 +117,12 @@ class WorkerCodec(wire.Codec):
     def decode_other(self, tag: str, rest: tuple):
         if tag == "R" and len(rest) == 1 and rest[0] in self.worker.objects:
             return self.worker.objects[rest[0]]
-        if tag == "O" and len(rest) == 2 and type(rest[0]) is str:
-            return record(rest[0], {k: self._decode(v) for k, v in rest[1]})
+        if tag == "O" and len(rest) == 3 and type(rest[0]) is str and type(rest[2]) is int:
+            self.records[rest[2]] = obj = record(rest[0], {})
+            obj.__dict__.update({k: self._decode(v) for k, v in rest[1]})
+            return obj
+        if tag == "OR" and len(rest) == 1 and rest[0] in self.records:
+            return self.records[rest[0]]
         if tag == "F" and len(rest) == 1:
             return self.worker.callback(rest[0])
         raise wire.WireError(f"unknown value {tag!r}")

@@ -68,6 +68,17 @@ MISTAKES = [
         replace("self.preempt(self.running.pop())  # the newest", "self.preempt(self.running.popleft())  # the newest"),
     ),
     Mistake(
+        "preempt-most-tokens-left",
+        "decode preempts the running request furthest from its max_tokens instead of the newest",
+        "The newest running request is the one that started last, the right end of `running` "
+        "(`running.pop()`), whatever its tokens left: running is kept in start order so that this end is it.",
+        replace("                self.preempt(self.running.pop())  # the newest request gives its blocks back\n",
+                "                victim = max(reversed(self.running),\n"
+                "                             key=lambda r: r.max_tokens - len(r.completion_token_ids))\n"
+                "                self.running.remove(victim)\n"
+                "                self.preempt(victim)\n"),
+    ),
+    Mistake(
         "preempt-self-first",
         "a request that finds no free block preempts itself instead of the newest other request",
         "While the request cannot have a slot, preempt the newest running request and try again; only when "
@@ -250,6 +261,17 @@ MISTAKES = [
                       "while self.running and len(scheduled) < self.max_num_seqs and budget > 0:"),
               replace("                request.num_scheduled_tokens = 1\n",
                       "                request.num_scheduled_tokens = 1\n                budget -= 1\n")),
+    ),
+    Mistake(
+        "preempted-take-seats",
+        "a decode step counts the requests it preempts against max_num_seqs",
+        "max_num_seqs bounds the requests a decode step runs: a request it preempts leaves the step without a "
+        "seat, so loop while `len(scheduled) < max_num_seqs`, whatever was preempted on the way.",
+        chain(replace("        while self.running and len(scheduled) < self.max_num_seqs:\n",
+                      "        seats = 0\n        while self.running and len(scheduled) + seats < self.max_num_seqs:\n"),
+              replace("                self.preempt(self.running.pop())  # the newest request gives its blocks back\n",
+                      "                self.preempt(self.running.pop())  # the newest request gives its blocks back\n"
+                      "                seats += 1\n")),
     ),
     Mistake(
         'prefilled-status-not-running',

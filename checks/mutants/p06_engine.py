@@ -158,6 +158,19 @@ MISTAKES = [
         replace("rows = [b for b, done in enumerate(complete) if done]", "rows = list(range(len(requests)))"),
     ),
     Mistake(
+        "seed-generator-per-params",
+        "one generator per SamplingParams object with a seed, shared by every request that object serves",
+        "Make the generator per request, when the request is added: one params object given for several prompts "
+        "serves several requests, and each draws from a generator of its own seeded with that seed.",
+        chain(replace("        requests = []\n        for prompt, p in zip(prompts, params):\n",
+                      "        requests = []\n        by_params: dict = {}\n        for prompt, p in zip(prompts, params):\n"),
+              replace("                self._generators[request.request_id] = torch.Generator(self.generator.device)"
+                      ".manual_seed(p.seed)\n",
+                      "                if id(p) not in by_params:\n"
+                      "                    by_params[id(p)] = torch.Generator(self.generator.device).manual_seed(p.seed)\n"
+                      "                self._generators[request.request_id] = by_params[id(p)]\n")),
+    ),
+    Mistake(
         'seed-reseeds-shared-generator',
         "a seeded request reseeds the engine's shared generator instead of getting one of its own",
         "Give each seeded request its own torch.Generator, seeded once: reseeding the shared one restarts it at every step and drags every unseeded request's draws along.",
@@ -244,6 +257,17 @@ MISTAKES = [
         replace('            self.stats["prefill_steps"] += 1\n',
                 '            self.stats["prefill_steps"] += all(r.num_computed_tokens + r.num_scheduled_tokens >= len(r) '
                 'for r in requests)\n'),
+    ),
+    Mistake(
+        "cached-tokens-per-block",
+        "stats['cached_tokens'] counts each cached block once per step, not for each request it serves",
+        "The counter is the prompt tokens the prefix cache served: a block that serves three requests of a step "
+        "served its tokens three times. Add each admitted request's num_cached_tokens.",
+        replace("            self.stats[\"cached_tokens\"] += sum(r.num_cached_tokens for r in requests\n"
+                "                                               if r.num_computed_tokens == r.num_cached_tokens)\n",
+                "            served = {b for r in requests if r.num_computed_tokens == r.num_cached_tokens\n"
+                "                      for b in r.block_table[: r.num_cached_tokens // r.block_size]}\n"
+                "            self.stats[\"cached_tokens\"] += len(served) * self.config.block_size\n"),
     ),
     Mistake(
         "cached-tokens-every-chunk",

@@ -1,0 +1,31 @@
+"""What crosses to the worker arrives as the check gave it: one object given twice in a call (one SamplingParams
+for two prompts in a list) is one object in the learner's code too, and two equal objects stay two."""
+
+from types import SimpleNamespace
+
+from checks.harness.guard import ParentCodec
+from checks.harness.serve import WorkerCodec
+
+
+class Params:
+    def __init__(self, seed: int):
+        self.seed = seed
+
+
+def test_an_object_given_twice_in_a_call_arrives_as_one_object():
+    p, q = Params(7), Params(7)
+    codec = ParentCodec(SimpleNamespace(callbacks=[]))
+    tree = codec.encode(([p, q, p], {"params": p}))
+    (first, other, again), named = WorkerCodec(SimpleNamespace()).decode(tree, codec.storages)
+    assert first is again is named["params"]
+    assert first is not other and (first.seed, other.seed) == (7, 7)
+    assert type(first).__name__ == "Params"
+
+
+def test_a_reference_to_an_object_not_sent_is_refused():
+    import pytest
+
+    from checks.harness import wire
+
+    with pytest.raises(wire.WireError):
+        WorkerCodec(SimpleNamespace()).decode(("L", [("OR", 0)]), [])
