@@ -629,6 +629,7 @@ def greedy_against_hf(request, impl, seed: int, layout: str, lengths, params: Pa
 
 
 SHARED_BLOCKS = 2  # full blocks the prompts of the prefix-cache checks share
+PREFIX_PROMPTS = 3  # the prompts that share them in the prefix-cache check's first step
 PREFIX_BUDGET = 16  # the prefix-cache check's budget: A, B and C's first step (11 + 2 + 1 tokens) fits, D's rest not
 LATER_TAIL = 19  # D's tokens after the shared blocks: chunked under PREFIX_BUDGET into 16 + 3
 
@@ -640,22 +641,22 @@ def test_prefix_hits_are_served_and_counted(request, impl, seed):
     gen = torch.Generator().manual_seed(seed)
     shared = random_prompts(gen, 96, (SHARED_BLOCKS * Config.block_size,))[0]  # two blocks of 4: 8 tokens
     n = len(shared)
-    tails = random_prompts(gen, 96, (3, 2, 1, LATER_TAIL))
+    tails = random_prompts(gen, 96, (3, 2, 1)[:PREFIX_PROMPTS] + (LATER_TAIL,))
     # B and C share A's two full blocks (allocated after A in the same step: each counts its own 8); D, in a second
     # generate call,
     # finds them again in the cache after A, B and C finished and freed them, and its rest is computed in two
     # chunks: its cached tokens count once, in its first prefill step, not again in its second.
     config = Config(max_num_batched_tokens=PREFIX_BUDGET)
-    first = Run(weights(seed, layout), [shared + tail for tail in tails[:3]], [Params()] * 3, config)
-    second_prompt = shared + tails[3]
+    first = Run(weights(seed, layout), [shared + tail for tail in tails[:-1]], [Params()] * PREFIX_PROMPTS, config)
+    second_prompt = shared + tails[-1]
 
     def scenario(impl):
         llm = impl.LLM(on_device(first.w), first.config)
         first.outputs = llm.generate([list(p) for p in first.prompts], list(first.params))
         first.stats = dict(llm.stats)
         expect_greedy(first, seed, layout, f"three prompts sharing {n} tokens")
-        expect_count(first, "cached_tokens", lambda got: got == 2 * n,
-                     f"{2 * n} cached tokens: the second and the third prompt's two shared blocks, counted for each "
+        expect_count(first, "cached_tokens", lambda got: got == (PREFIX_PROMPTS - 1) * n,
+                     f"{(PREFIX_PROMPTS - 1) * n} cached tokens: the second and the third prompt's two shared blocks, counted for each "
                      f"request they serve (one step served both)")
         again = Run(first.w, [second_prompt], [Params()], first.config)
         again.outputs = llm.generate([list(second_prompt)], [Params()])
@@ -664,8 +665,8 @@ def test_prefix_hits_are_served_and_counted(request, impl, seed):
         expect_count(again, "chunked_prefills", lambda got: got == 1,
                      "1: only the second call's first step leaves a prompt incomplete (16 of its 19 new tokens); a "
                      "step that computes the rest of a prompt, after a cached prefix or a chunk, is no chunked prefill")
-        expect_count(again, "cached_tokens", lambda got: got == 3 * n,
-                     f"{3 * n} cached tokens after the second call: its two shared blocks were freed but still cached "
+        expect_count(again, "cached_tokens", lambda got: got == PREFIX_PROMPTS * n,
+                     f"{PREFIX_PROMPTS * n} cached tokens after the second call: its two shared blocks were freed but still cached "
                      f"(counted once, in the first of the two steps that compute its other {LATER_TAIL} tokens under a "
                      f"budget of {PREFIX_BUDGET})")
 
