@@ -337,7 +337,8 @@ class Driver:
             if refused and "ValueError" in str(error):
                 return
             if "ValueError" in str(error):
-                error.rule = "add-refuses"  # a request that fits, refused
+                error.rule = "add-refuses"  # a request that fits, refused: a known mistake's refusal is named
+                error.identifiable = True
             raise
         if refused:
             why = "it asks for no token" if max_tokens < 1 else "it has no prompt" if not prompt else \
@@ -1139,6 +1140,11 @@ def test_only_the_first_request_of_a_step_is_chunked(impl):
     d.step()  # prefill [B 6, C 2]
     d.expect_batch(2, [("B", 6), ("C", 2)])
     d.check_finished()
+    d = Driver(impl, 5, 2, 4, 3)  # the page's preemption scenario under a budget of 3: B and C come back with their
+    d.add(0, [1, 2, 3], 3)  # completion tokens, and C, second in its step, does not fit what B left: it ends the
+    d.add(1, [4, 5, 6], 3)  # step as a new request would, not cut to a chunk
+    d.add(2, [7], 4)
+    d.run_to_the_end()
 
 
 def test_a_chunk_advances_computed_tokens_and_discards_its_token(impl):
@@ -1189,15 +1195,28 @@ def test_postprocess_sets_num_scheduled_tokens_back_to_0(impl):
 def test_decode_preempts_the_newest_running_request(impl):
     """a request that needs a block when none is free takes it from the newest running request (the right end)"""
     d = Driver(impl, 4, 2, 4, 16)
-    d.add(0, [1, 2], 3)  # A and B: their next token opens a new block
-    d.add(1, [3, 4], 3)
-    d.add(2, [5], 6)  # C and D: their next token fits in their block; C is further from its end than D, which
-    d.add(3, [6], 3)  # is the newest all the same: the newest is the one that started last, not the one with most left
+    d.add(0, [1, 2], 3)  # A and B: their next token opens a new block; B has the most tokens left
+    d.add(1, [3, 4], 7)
+    d.add(2, [5], 6)  # C and D: their next token fits in their block; D, the newest, has the fewest left, and this
+    d.add(3, [6], 2)  # step would finish it: the newest is the one that started last, not the one with most left,
+    # nor the newest one the step would not finish
     d.step()  # prefill all four: 4 blocks, none free
     d.add(4, [7, 8, 9], 1)  # E waits: no block is free for it
     d.step()  # decode: A preempts D (the newest), B preempts C; both go back to waiting, C first, ahead of E
     d.expect_batch(2, [("A", 1), ("B", 1)])
     d.expect("after step 2: waiting", d.queue("waiting"), ["C", "D", "E"])
+    d.run_to_the_end()
+    d = Driver(impl, 6, 2, 4, 16)  # the newest shares its first block with the request that needs one: still it
+    d.add(0, [7], 5)
+    d.add(1, [1, 2, 3], 5)
+    d.add(2, [8], 5)
+    d.add(3, [1, 2, 5], 5)  # D hits B's block [1, 2]: one block is left free after step 1
+    d.step()  # prefill [A 1, B 3, C 1, D 1]
+    d.step()  # decode [A, B, C, D]: every token fits in its block
+    d.step()  # decode: A takes the free block; B needs one and D, the newest, gives its own back (the shared one
+    # stays B's); C finds none and preempts itself
+    d.expect_batch(3, [("A", 1), ("B", 1)])
+    d.expect_queues(3, waiting=["C", "D"], running=["A", "B"])
     d.run_to_the_end()
 
 
@@ -1326,6 +1345,7 @@ def test_add_refuses_what_the_cache_cannot_hold(impl):
     d.add(5, [1, 2], -1)  # fewer than none: refused too (below 1, not only 0)
     d.add(4, [], 2)  # no prompt: refused
     d.add(2, [1, 2, 3], 4)  # 3 + 4 - 1 = 6 tokens: 3 blocks (the completions share the prompt's last), accepted
+    d.add(6, [1, 2, 3, 4, 5, 6], 1)  # the whole cache for the prompt, and its one token needs no slot: accepted
     d.run_to_the_end()
 
 

@@ -473,6 +473,13 @@ def test_probabilities_masks_are_exact(impl, gen):
     rows = (logits[:2].clone(), torch.tensor([0.7, 1.3]), torch.tensor([1, 0]), torch.ones(2))
     got = impl.probabilities(*(t.clone() for t in rows))
     expect_kept(got, expected_probabilities(*rows), *rows, "in a batch of 2 whose only mask is a top_k of 1, ")
+    # bfloat16 logits at temperature 1 in every row: nothing to divide, and the distribution is float32 all the same
+    rows = (logits[:2].bfloat16(), torch.ones(2), torch.zeros(2, dtype=torch.long), torch.ones(2))
+    got = impl.probabilities(*(t.clone() for t in rows))
+    if got.dtype != torch.float32:
+        raise Mismatch(f"probabilities of bfloat16 logits with every row at temperature 1 returned {got.dtype}, "
+                       f"expected torch.float32: the cast to float32 does not depend on the temperatures (a division "
+                       f"by 1 may be skipped, the cast may not)", "probabilities-by-definition")
 
 
 def expect_kept(got, expected, logits, temperature, top_k, top_p, batch: str = "", impl=None) -> None:
@@ -1081,6 +1088,11 @@ def test_seeded_requests_do_not_depend_on_the_batch(request, impl, seed):
                            f"from a generator of its own, even when another has the same seed{greedy}", rule)
         engine(impl, hot)
         tokens = hot.outputs[0]
+        again = hot.llm.generate([list(p) for p in hot.prompts], list(hot.params))
+        if again != [tokens]:
+            raise Mismatch(f"the seeded request at temperature {HOT:g} gave {tokens}, and {again} when the same engine "
+                           f"was asked again: a request's generator is its own, made when it is added and found by its "
+                           f"request id, whatever the engine served before it", "seeded-own-generator")
         engine(impl, mixed)
         if mixed.outputs[1] != tokens:
             raise Mismatch(f"the seeded request at temperature {HOT:g} gave {tokens} alone and {mixed.outputs[1]} "

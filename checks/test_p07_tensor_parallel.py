@@ -628,11 +628,12 @@ def test_greedy_matches_hf_generate(impl, seed):
         tokens = out[rank]
         fed = [math.prod(shape) // hidden for k, (name, shape) in enumerate(made) if name == "all_reduce" and shape
                and (k == 0 or made[k - 1][0] == "broadcast")]
-        if fed[:1] != [P] or any(n != 1 for n in fed[1:]):
+        if fed[:1] != [P] or any(n != 1 for n in fed[1:]) or len(fed) != GREEDY_TOKENS:
             # (not a Mismatch: the tokens may be right, and no catalogued mistake is told apart by them here)
             raise LearnerError(f"rank {rank}'s forwards in tp_generate_greedy fed {fed} tokens (the rows of each one's "
-                               f"embedding all_reduce), expected the {P}-token prompt, then 1 token per step: the "
-                               f"caches hold the rest", rule="greedy-broadcasts")
+                               f"embedding all_reduce), expected the {P}-token prompt, then 1 token per step, "
+                               f"{GREEDY_TOKENS} forwards for {GREEDY_TOKENS} tokens: the caches hold the rest, and "
+                               f"the last token is returned, never fed", rule="greedy-broadcasts")
         if not torch.equal(tokens, expected):
             step = int((tokens != expected).nonzero()[0])
             hint = " · are the other ranks given rank 0's token (a broadcast) before the next step?" if rank else ""

@@ -185,14 +185,37 @@ def probes() -> list[Scenario]:
                        "prefill A 和 B，prefill C，decode"),
                      lambda module: _probe_steps(module, (10, 2, 2, 16), [([1], 2), ([2], 2), ([3], 2)], [{}, {}, {}])),
             Scenario("probe-decode-preempts",
-                     T("add A = [1, 2], B = [3, 4], C = [5, 6] max 6, D = [7, 8] max 3 (4 blocks of 2, max_num_seqs "
-                       "2, a budget of 16; A and B max 3), then 3 steps: prefill A and B, prefill C and D, decode: A "
-                       "preempts D, the newest, and B preempts C",
-                       "add A = [1, 2]、B = [3, 4]、C = [5, 6] max 6、D = [7, 8] max 3（4 个大小为 2 的块，max_num_seqs "
-                       "2，预算 16；A 和 B 的 max 为 3），然后走 3 步：prefill A 和 B，prefill C 和 D，decode：A 抢占最新的 "
-                       "D，B 抢占 C"),
-                     lambda module: _probe_steps(module, (4, 2, 2, 16), [([1, 2], 3), ([3, 4], 3), ([5, 6], 6),
-                                                                         ([7, 8], 3)], [{}, {}, {}])),
+                     T("add A = [1, 2] max 3, B = [3, 4] max 7, C = [5, 6] max 6, D = [7, 8] max 2 (4 blocks of 2, "
+                       "max_num_seqs 2, a budget of 16), then 3 steps: prefill A and B, prefill C and D, decode: A "
+                       "preempts D, the newest (though it has the fewest tokens left and this step would finish it), "
+                       "and B preempts C",
+                       "add A = [1, 2] max 3、B = [3, 4] max 7、C = [5, 6] max 6、D = [7, 8] max 2（4 个大小为 2 的块，"
+                       "max_num_seqs 2，预算 16），然后走 3 步：prefill A 和 B，prefill C 和 D，decode：A 抢占最新的 D"
+                       "（尽管它剩下的 token 最少，这一步本可以让它完成），B 抢占 C"),
+                     lambda module: _probe_steps(module, (4, 2, 2, 16), [([1, 2], 3), ([3, 4], 7), ([5, 6], 6),
+                                                                         ([7, 8], 2)], [{}, {}, {}])),
+            Scenario("probe-preempt-sharer",
+                     T("add A = [7], B = [1, 2, 3], C = [8], D = [1, 2, 5], max 5 each (6 blocks of 2, max_num_seqs 4, "
+                       "a budget of 16; D hits B's block [1, 2]), then 3 steps: prefill, decode, decode: A takes the "
+                       "free block, B preempts D, the newest, though it shares a block with B; C preempts itself",
+                       "add A = [7]、B = [1, 2, 3]、C = [8]、D = [1, 2, 5]，max 都是 5（6 个大小为 2 的块，max_num_seqs 4，"
+                       "预算 16；D 命中 B 的块 [1, 2]），然后走 3 步：prefill、decode、decode：A 拿走空闲的块，B 抢占最新的 "
+                       "D，尽管 D 和 B 共享一个块；C 抢占自己"),
+                     lambda module: _probe_steps(module, (6, 2, 4, 16), [([7], 5), ([1, 2, 3], 5), ([8], 5),
+                                                                         ([1, 2, 5], 5)], [{}, {}, {}])),
+            Scenario("probe-readmitted-later",
+                     T("scenario 2's requests under a budget of 3 (5 blocks of 2, max_num_seqs 4), then 6 steps: B and "
+                       "C are preempted and come back; in step 6 C, second, does not fit what B left and ends the step",
+                       "场景 2 的请求，预算改为 3（5 个大小为 2 的块，max_num_seqs 4），然后走 6 步：B 和 C 被抢占后回来；"
+                       "第 6 步里排第二的 C 放不进 B 剩下的预算，于是这一步在它前面结束"),
+                     lambda module: _probe_steps(module, (5, 2, 4, 3), [([1, 2, 3], 3), ([4, 5, 6], 3), ([7], 4)],
+                                                 [{}] * 6)),
+            Scenario("probe-whole-cache",
+                     T("add A = [1 .. 6] max 1 (3 blocks of 2: the prompt fills the whole cache, and its one token "
+                       "needs no slot), then schedule",
+                       "add A = [1 .. 6] max 1（3 个大小为 2 的块：prompt 正好占满整个 cache，它唯一的 token 不需要 "
+                       "slot），然后 schedule"),
+                     lambda module: _probe_steps(module, (3, 2, 4, 16), [(list(range(1, 7)), 1)], [{}])),
             Scenario("probe-decode-budget",
                      T("add A = [1], B = [2], C = [3] max 2 (4 blocks of 4, max_num_seqs 4, a budget of 2), then "
                        "3 steps: prefill A and B, prefill C, decode",

@@ -43,6 +43,14 @@ MISTAKES = [
         replace('        return not self.waiting and not self.running\n', '        return not self.waiting\n'),
     ),
     Mistake(
+        "add-slot-for-max-tokens-1",
+        "add counts a slot for the one token of a max_tokens-1 request",
+        "The last completion token never needs a slot, and with max_tokens 1 it is the only one: count "
+        "`prompt + max_tokens - 1` tokens, so a prompt that fills the whole cache exactly is accepted.",
+        replace("        needed = (request.num_prompt_tokens + max_tokens - 1 + block_size - 1) // block_size\n",
+                "        needed = (request.num_prompt_tokens + max(max_tokens - 1, 1) + block_size - 1) // block_size\n"),
+    ),
+    Mistake(
         "idle-schedule-returns-none",
         "schedule returns None, not ([], False), when no request waits or runs",
         "An idle step is still a step: let schedule fall through to its decode part, which returns the empty batch "
@@ -75,6 +83,29 @@ MISTAKES = [
         replace("                self.preempt(self.running.pop())  # the newest request gives its blocks back\n",
                 "                victim = max(reversed(self.running),\n"
                 "                             key=lambda r: r.max_tokens - len(r.completion_token_ids))\n"
+                "                self.running.remove(victim)\n"
+                "                self.preempt(victim)\n"),
+    ),
+    Mistake(
+        "preempt-spares-finishing",
+        "decode spares a newest request this step would finish and preempts an older one",
+        "The newest running request is the victim even when this step would give it its last token: it holds its "
+        "blocks until postprocess frees them, and the request that needs a slot needs it now. Take `running.pop()`.",
+        replace("                self.preempt(self.running.pop())  # the newest request gives its blocks back\n",
+                "                going = [r for r in self.running if len(r.completion_token_ids) + 1 < r.max_tokens]\n"
+                "                victim = going[-1] if going else self.running[-1]\n"
+                "                self.running.remove(victim)\n"
+                "                self.preempt(victim)\n"),
+    ),
+    Mistake(
+        "preempt-skips-prefix-sharers",
+        "decode preempts the newest request that shares no block with the one that needs a slot",
+        "Preempt the newest running request even when it shares a cached block with the request that needs a slot: "
+        "its own blocks are freed all the same (a shared one just loses a reference).",
+        replace("                self.preempt(self.running.pop())  # the newest request gives its blocks back\n",
+                "                mine = set(request.block_table)\n"
+                "                apart = [r for r in self.running if not mine & set(r.block_table)]\n"
+                "                victim = apart[-1] if apart else self.running[-1]\n"
                 "                self.running.remove(victim)\n"
                 "                self.preempt(victim)\n"),
     ),
@@ -145,6 +176,14 @@ MISTAKES = [
         "a scheduled request takes its whole length from the step's token budget, not the tokens it computes",
         'A request costs the tokens this step computes (num_scheduled_tokens): its cached prefix and earlier chunks are not computed again, so they take no budget.',
         replace('            budget -= request.num_scheduled_tokens\n', '            budget -= len(request)\n'),
+    ),
+    Mistake(
+        "readmitted-later-chunked",
+        "a preempted request coming back second in a step is cut to the budget left",
+        "The later-request rule holds for every request, a preempted one coming back too: one that does not fit "
+        "the budget left whole ends the step and leads the next one.",
+        replace("            if scheduled and cost > budget:\n",
+                "            if scheduled and cost > budget and not request.completion_token_ids:\n"),
     ),
     Mistake(
         "chunk-later-request",

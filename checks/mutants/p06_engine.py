@@ -171,6 +171,18 @@ MISTAKES = [
                       "                self._generators[request.request_id] = by_params[id(p)]\n")),
     ),
     Mistake(
+        "seed-generator-by-index",
+        "a seeded request's generator kept under its prompt's index in the call, not its request id",
+        "Key the generator by the request id, as the params are: from the second generate call on an engine the "
+        "ids no longer start at 0, and a seeded request would find no generator (or another's).",
+        chain(replace("        for prompt, p in zip(prompts, params):\n            request = self.scheduler.add(",
+                      "        for index, (prompt, p) in enumerate(zip(prompts, params)):\n"
+                      "            request = self.scheduler.add("),
+              replace("                self._generators[request.request_id] = torch.Generator(self.generator.device)"
+                      ".manual_seed(p.seed)\n",
+                      "                self._generators[index] = torch.Generator(self.generator.device).manual_seed(p.seed)\n")),
+    ),
+    Mistake(
         'seed-reseeds-shared-generator',
         "a seeded request reseeds the engine's shared generator instead of getting one of its own",
         "Give each seeded request its own torch.Generator, seeded once: reseeding the shared one restarts it at every step and drags every unseeded request's draws along.",

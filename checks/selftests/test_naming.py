@@ -122,3 +122,23 @@ def test_rules_are_ranked_by_checks_or_by_layers():
     p07 = [row("p07_tensor_parallel", c, r) for c, r in (("a", "model-forward"), ("b", "model-forward"),
                                                          ("c", "row-shard"))]
     assert rank_rules(p07) == ["row-shard", "model-forward"]
+
+
+def test_a_greedy_loop_that_feeds_back_its_last_token_is_told_its_rule(tmp_path):
+    """p07's tp_generate_greedy running one forward more than it needs (the last token fed back): the tokens are
+    right, and no catalogued mistake can be told apart by them; the count of tokens each forward fed says the
+    loop's rule."""
+    out = checked(tmp_path, "p07_tensor_parallel",
+                  "        if step + 1 < max_new_tokens:\n            logits = tp_model_forward(model, token, caches)\n",
+                  "        logits = tp_model_forward(model, token, caches)\n", "-k", "greedy")
+    assert "8 forwards for 8 tokens" in out and "the last token is returned, never fed" in out
+    assert "→ breaks greedy-broadcasts" in out and "looks like" not in out
+
+
+def test_probabilities_skipping_the_cast_at_temperature_1_is_told_its_dtype(tmp_path):
+    """p06's probabilities that leaves the logits as they are when every row's temperature is 1: float32 logits
+    pass; a bfloat16 batch at temperature 1 comes back bfloat16, and the report says so."""
+    out = checked(tmp_path, "p06_engine", "    scaled = logits.float() / torch.where(",
+                  "    scaled = logits if bool((temperature == 1).all()) else logits.float() / torch.where(",
+                  "-k", "exact")
+    assert "`probabilities` returned bfloat16, expected float32" in out

@@ -67,5 +67,6 @@ def test_p05_walkthrough_builds_and_shows_every_mistake():
     assert not hidden, f"neither the toy nor a probe shows {hidden}"
     # seq-cap-ignored, decode-seq-cap-off-by-one, decode-capped-by-budget, recompute-chunk-by-prompt,
     # scheduled-not-reset, prefill-preempts-for-room, idle-schedule-returns-none, empty-postprocess-returns-none,
-    # preempt-most-tokens-left and preempted-take-seats need a probe
-    assert sum(isinstance(e, Shown) for e in entries) >= len(entries) - 10
+    # preempt-most-tokens-left, preempted-take-seats, preempt-spares-finishing, preempt-skips-prefix-sharers,
+    # readmitted-later-chunked and add-slot-for-max-tokens-1 need a probe
+    assert sum(isinstance(e, Shown) for e in entries) >= len(entries) - 14
