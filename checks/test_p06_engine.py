@@ -663,8 +663,8 @@ def test_prefix_hits_are_served_and_counted(request, impl, seed):
         first.stats = dict(llm.stats)
         expect_greedy(first, seed, layout, f"three prompts sharing {n} tokens")
         expect_count(first, "cached_tokens", lambda got: got == (PREFIX_PROMPTS - 1) * n,
-                     f"{(PREFIX_PROMPTS - 1) * n} cached tokens: the second and the third prompt's two shared blocks, counted for each "
-                     f"request they serve (one step served both)")
+                     f"{(PREFIX_PROMPTS - 1) * n} cached tokens: the second and the third prompt's two shared "
+                     f"blocks, counted for each request they serve (one step served both)")
         again = Run(first.w, [second_prompt], [Params()], first.config)
         again.outputs = llm.generate([list(second_prompt)], [Params()])
         again.stats = dict(llm.stats)
@@ -673,9 +673,9 @@ def test_prefix_hits_are_served_and_counted(request, impl, seed):
                      "1: only the second call's first step leaves a prompt incomplete (16 of its 19 new tokens); a "
                      "step that computes the rest of a prompt, after a cached prefix or a chunk, is no chunked prefill")
         expect_count(again, "cached_tokens", lambda got: got == PREFIX_PROMPTS * n,
-                     f"{PREFIX_PROMPTS * n} cached tokens after the second call: its two shared blocks were freed but still cached "
-                     f"(counted once, in the first of the two steps that compute its other {LATER_TAIL} tokens under a "
-                     f"budget of {PREFIX_BUDGET})")
+                     f"{PREFIX_PROMPTS * n} cached tokens after the second call: its two shared blocks were freed but "
+                     f"still cached (counted once, in the first of the two steps that compute its other {LATER_TAIL} "
+                     f"tokens under a budget of {PREFIX_BUDGET})")
 
     with_blame(request, impl, scenario)
 

@@ -409,7 +409,8 @@ def test_shard_model(impl, gen):
             mine, want = attribute(shard, name), getattr(w, name)
             same = torch.equal(mine, want) if isinstance(want, torch.Tensor) else mine == want
             if not same:
-                raise Mismatch(f"rank {rank}'s `{name}` differs from the model's (every rank holds it whole, not split)")
+                raise Mismatch(f"rank {rank}'s `{name}` differs from the model's (every rank holds it whole, not "
+                               f"split)")
     V, hidden, intermediate, L, H, KVH, D = SHAPES["H4-KVH2"]
     odd = ModelWeights.random(gen, V - 1, hidden, intermediate, 1, H, KVH, D)  # a vocabulary 2 ranks cannot split
     expect_value_error(lambda: impl.shard_model(odd, 0, 2), f"shard_model of a vocabulary of {V - 1} over 2 ranks")
