@@ -1060,6 +1060,9 @@ def test_seeded_requests_do_not_depend_on_the_batch(request, impl, seed):
     # generator __init__ seeds, which goes on from one generate to the next
     unseeded = [Run(hot.w, prompts[1:2] * 2, [Params(temperature=HOT, max_tokens=n) for n in TWIN_TOKENS], Config())
                 for _ in "ab"]  # (of two lengths: one completion handed to both requests has a wrong length)
+    # ... and after a call whose rows keep one token (top_k 1) or all: either is sampled, so either draws its noise
+    # from the engine's generator, and the requests without a seed asked next draw alike
+    top_one = [Run(hot.w, prompts[2:3], [Params(temperature=1.0, top_k=k, max_tokens=3)], Config()) for k in (1, 0)]
 
     def draws_or_logits(impl) -> tuple[str, str]:
         """When the batch changes a seeded request's tokens, is it the draws or the logits? Greedy, the same
@@ -1128,6 +1131,14 @@ def test_seeded_requests_do_not_depend_on_the_batch(request, impl, seed):
             raise Mismatch(f"requests without a seed at temperature {HOT:g} gave {first} in one engine and {second} "
                            f"in another made alike: their noise must come from the engine's own `generator` (seeded "
                            f"by __init__), not from torch's global one", "seeded-own-generator")
+        after = [engine(impl, run).llm.generate([list(p) for p in unseeded[0].prompts], list(unseeded[0].params))
+                 for run in top_one]
+        if after[0] != after[1]:
+            raise Mismatch(f"requests without a seed at temperature {HOT:g} gave {after[0]} after a call with top_k 1 "
+                           f"and {after[1]} after the same call with top_k 0 (each in a new engine): a row with top_k 1 "
+                           f"is sampled like any other (tied top tokens stay, and are drawn between), so its steps draw "
+                           f"their noise from the engine's generator; only an all-greedy batch draws none",
+                           "seeded-own-generator")
         again = unseeded[1].llm.generate([list(p) for p in unseeded[1].prompts], list(unseeded[1].params))
         if again == second:
             raise Mismatch(f"the same requests without a seed, asked of one engine twice, gave {second} both times: "

@@ -171,6 +171,15 @@ MISTAKES = [
                       "                self._generators[request.request_id] = by_params[id(p)]\n")),
     ),
     Mistake(
+        "top-k-one-as-greedy",
+        "a batch whose rows are greedy or keep one token (top_k 1) takes the argmax shortcut and draws no noise",
+        "Only temperature 0 is greedy: a top_k of 1 keeps every token tied at the top and draws between them, and "
+        "its step draws the engine's noise like any sampled step. Take the argmax shortcut only when every row's "
+        "temperature is 0.",
+        replace("        if all(float(p.temperature) <= 0 for p in params):  # decided on the host: no wait for the GPU\n",
+                "        if all(float(p.temperature) <= 0 or int(p.top_k) == 1 for p in params):\n"),
+    ),
+    Mistake(
         "seed-generator-by-index",
         "a seeded request's generator kept under its prompt's index in the call, not its request id",
         "Key the generator by the request id, as the params are: from the second generate call on an engine the "
