@@ -636,7 +636,8 @@ def greedy_against_hf(request, impl, seed: int, layout: str, lengths, params: Pa
 
 
 SHARED_BLOCKS = 2  # full blocks the prompts of the prefix-cache checks share
-PREFIX_PROMPTS = 3  # the prompts that share them in the prefix-cache check's first step
+PREFIX_TAILS = (3, 2, 1)  # the tokens after the shared blocks of each prompt of the prefix-cache check's first step
+PREFIX_PROMPTS = len(PREFIX_TAILS)
 PREFIX_BUDGET = 16  # the prefix-cache check's budget: A, B and C's first step (11 + 2 + 1 tokens) fits, D's rest not
 LATER_TAIL = 19  # D's tokens after the shared blocks: chunked under PREFIX_BUDGET into 16 + 3
 
@@ -648,11 +649,10 @@ def test_prefix_hits_are_served_and_counted(request, impl, seed):
     gen = torch.Generator().manual_seed(seed)
     shared = random_prompts(gen, 96, (SHARED_BLOCKS * Config.block_size,))[0]  # two blocks of 4: 8 tokens
     n = len(shared)
-    tails = random_prompts(gen, 96, (3, 2, 1)[:PREFIX_PROMPTS] + (LATER_TAIL,))
+    tails = random_prompts(gen, 96, (*PREFIX_TAILS, LATER_TAIL))
     # B and C share A's two full blocks (allocated after A in the same step: each counts its own 8); D, in a second
-    # generate call,
-    # finds them again in the cache after A, B and C finished and freed them, and its rest is computed in two
-    # chunks: its cached tokens count once, in its first prefill step, not again in its second.
+    # generate call, finds them again in the cache after A, B and C finished and freed them, and its rest is computed
+    # in two chunks: its cached tokens count once, in its first prefill step, not again in its second.
     config = Config(max_num_batched_tokens=PREFIX_BUDGET)
     first = Run(weights(seed, layout), [shared + tail for tail in tails[:-1]], [Params()] * PREFIX_PROMPTS, config)
     second_prompt = shared + tails[-1]
@@ -663,8 +663,8 @@ def test_prefix_hits_are_served_and_counted(request, impl, seed):
         first.stats = dict(llm.stats)
         expect_greedy(first, seed, layout, f"three prompts sharing {n} tokens")
         expect_count(first, "cached_tokens", lambda got: got == (PREFIX_PROMPTS - 1) * n,
-                     f"{(PREFIX_PROMPTS - 1) * n} cached tokens: the second and the third prompt's two shared "
-                     f"blocks, counted for each request they serve (one step served both)")
+                     f"{(PREFIX_PROMPTS - 1) * n} cached tokens: the two shared blocks of every prompt after the "
+                     f"first, counted for each request they serve (one step served them all)")
         again = Run(first.w, [second_prompt], [Params()], first.config)
         again.outputs = llm.generate([list(second_prompt)], [Params()])
         again.stats = dict(llm.stats)
@@ -1134,10 +1134,10 @@ def test_seeded_requests_do_not_depend_on_the_batch(request, impl, seed):
         after = [engine(impl, run).llm.generate([list(p) for p in unseeded[0].prompts], list(unseeded[0].params))
                  for run in top_one]
         if after[0] != after[1]:
-            raise Mismatch(f"requests without a seed at temperature {HOT:g} gave {after[0]} after a call with top_k 1 "
-                           f"and {after[1]} after the same call with top_k 0 (each in a new engine): a row with top_k 1 "
-                           f"is sampled like any other (tied top tokens stay, and are drawn between), so its steps draw "
-                           f"their noise from the engine's generator; only an all-greedy batch draws none",
+            raise Mismatch(f"requests without a seed at temperature {HOT:g} gave {after[0]} after a call with top_k "
+                           f"1 and {after[1]} after the same call with top_k 0 (each in a new engine): a row with "
+                           f"top_k 1 is sampled like any other (tied top tokens stay, and are drawn between), so its "
+                           f"steps draw their noise from the engine's generator; only an all-greedy batch draws none",
                            "seeded-own-generator")
         again = unseeded[1].llm.generate([list(p) for p in unseeded[1].prompts], list(unseeded[1].params))
         if again == second:

@@ -629,9 +629,10 @@ def test_greedy_matches_hf_generate(impl, seed):
         tokens = out[rank]
         fed = [math.prod(shape) // hidden for k, (name, shape) in enumerate(made) if name == "all_reduce" and shape
                and (k == 0 or made[k - 1][0] == "broadcast")]
-        if fed[:1] != [P] or any(n != 1 for n in fed[1:]) or len(fed) > GREEDY_TOKENS:  # (a forward is told by
-            # the broadcast before it: without broadcasts fewer are seen, which the broadcasts' own count says)
-            # (not a Mismatch: the tokens may be right, and no catalogued mistake is told apart by them here)
+        # (a forward is told by the broadcast before it: without broadcasts fewer are seen, which the broadcasts'
+        # own count below says; not a Mismatch: the tokens may be right, and no catalogued mistake is told apart by
+        # them here)
+        if fed[:1] != [P] or any(n != 1 for n in fed[1:]) or len(fed) > GREEDY_TOKENS:
             raise LearnerError(f"rank {rank}'s forwards in tp_generate_greedy fed {fed} tokens (the rows of each one's "
                                f"embedding all_reduce), expected the {P}-token prompt, then 1 token per step, "
                                f"{GREEDY_TOKENS} forwards for {GREEDY_TOKENS} tokens: the caches hold the rest, and "

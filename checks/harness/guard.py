@@ -209,12 +209,11 @@ class ParentCodec(wire.Codec):
                 raise LearnerError(f"a `{value._class_name}` made in a worker process that has ended since")
             return ("R", value._handle)
         if dataclasses.is_dataclass(value) or hasattr(value, "__dict__") and not callable(value):
-            sent = self.sent
-            if id(value) in sent:
-                return ("OR", sent[id(value)][0])
-            sent[id(value)] = (len(sent), value)  # (held, so no other object takes its id while encoding)
-            fields = vars(value)
-            return ("O", type(value).__name__, [(k, self.encode(v)) for k, v in fields.items()], sent[id(value)][0])
+            if id(value) in self.sent:
+                return ("OR", self.sent[id(value)][0])
+            number = len(self.sent)
+            self.sent[id(value)] = (number, value)  # (held, so no other object takes its id while encoding)
+            return ("O", type(value).__name__, [(k, self.encode(v)) for k, v in vars(value).items()], number)
         if callable(value):
             self.callbacks.append(value)
             return ("F", len(self.callbacks) - 1)

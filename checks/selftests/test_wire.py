@@ -3,6 +3,9 @@ for two prompts in a list) is one object in the learner's code too, and two equa
 
 from types import SimpleNamespace
 
+import pytest
+
+from checks.harness import wire
 from checks.harness.guard import ParentCodec
 from checks.harness.serve import WorkerCodec
 
@@ -23,9 +26,5 @@ def test_an_object_given_twice_in_a_call_arrives_as_one_object():
 
 
 def test_a_reference_to_an_object_not_sent_is_refused():
-    import pytest
-
-    from checks.harness import wire
-
     with pytest.raises(wire.WireError):
         WorkerCodec(SimpleNamespace()).decode(("L", [("OR", 0)]), [])
