@@ -76,9 +76,16 @@ RULE_OF = {
 REFUSAL_RULES = {"column_shard": "column-shard", "row_shard": "row-shard",
                  "merged_column_shard": "merged-shard-part-by-part", "shard_layer": "shard-layer",
                  "shard_model": "shard-model"}
-# An error whose words say the rule it breaks: ranks out of step made different collectives at once (one skipped or
-# added one), whatever the function they were in
-REASON_RULES = {"the ranks made different collectives at once": "two-all-reduces-a-layer"}
+# An error whose words say the rule it breaks (patterns, the first that matches): ranks out of step made different
+# collectives at once, or some returned while the others waited (one skipped or added one), whatever the function
+# they were in. A step gathers its logits before rank 0's token is broadcast, and the gather is a forward's last
+# collective: a rank at a broadcast while another is at the gather, or one that returned while another waits in the
+# gather, skipped the LM head's gather.
+REASON_RULES = {
+    r"different collectives at once \((?=[^)]*\bgather\b)(?=[^)]*\bbroadcast\b)": "lm-head-gathered",
+    r"in its \w+ gather, a collective the other ranks never made": "lm-head-gathered",
+    r"the ranks made different collectives at once|a collective the other ranks never made": "two-all-reduces-a-layer",
+}
 TOY = load_toy("p07_tensor_parallel")
 # (V, hidden, I, L, H, KVH, D): H != KVH; the second divides over 4 ranks, the first over 2 only
 LAYOUTS = {"H4-KVH2": (64, 32, 48, 2, 4, 2, 8), "H8-KVH4": (96, 40, 64, 2, 8, 4, 8)}

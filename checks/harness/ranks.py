@@ -23,6 +23,7 @@ import functools
 import socket
 import threading
 import time
+from collections import Counter
 from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 
@@ -201,6 +202,13 @@ class Ranks:
                 others = [f"rank {r} in {waiting[r]}" for r in range(self.world_size) if waiting[r]]
                 tail = f" while {', '.join(others)} waited for it" if others else ""
                 return f"rank {running[0]}: {errors[running[0]]}{tail}", ""
+            returned = [r for r in range(self.world_size) if errors[r] is None]
+            if returned:  # the others wait in a collective these ranks never made
+                where = ", ".join(f"rank {r} in {waiting[r]}" for r in overran)
+                gone = "; ".join(f"rank {r} returned " + (f"after {self._made(r)}" if self._made(r) else "without any")
+                                 for r in returned)
+                return (f"{what} did not return on {_ranks(overran)}: {where}, a collective the other ranks never "
+                        f"made ({gone}); every rank must make the same collectives in the same order"), ""
             where = ", ".join(f"rank {r} in {waiting[r]}" for r in range(self.world_size))
             return (f"{what} did not return on any rank: each waits in a collective ({where}); every rank must "
                     f"make the same collectives in the same order"), ""
@@ -228,6 +236,10 @@ class Ranks:
         detail = "; ".join(after) + (f" · {backend}" if backend and after else backend)
         return f"rank {rank}: {errors[rank]}", detail
 
+    def _made(self, rank: int) -> str:
+        """The collectives rank `rank` made in the last call, counted by name ("5 all_reduce, 1 gather"; "": none)."""
+        return ", ".join(f"{n} {name}" for name, n in Counter(self.collectives[rank]).items())
+
     def _waiting_in(self, rank: int) -> str | None:
         """The collective rank `rank` entered last and never left, in words ("its 2nd all_reduce")."""
         entered: dict[str, int] = {}
@@ -241,6 +253,10 @@ class Ranks:
             else:
                 open_one = None
         return open_one
+
+
+def _ranks(ranks: list[int]) -> str:
+    return f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {', '.join(map(str, ranks))}"
 
 
 class Rendezvous:

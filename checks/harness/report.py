@@ -156,7 +156,7 @@ class Reporter:
                 result.rule = getattr(item.module, "REFUSAL_RULES", {}).get(refused.group(1), "")
             if isinstance(error, LearnerError) and not result.rule:  # an error that itself says which rule broke
                 result.rule = next((rule for said_, rule in getattr(item.module, "REASON_RULES", {}).items()
-                                    if said_ in result.reason), "")
+                                    if re.search(said_, result.reason)), "")
             result.rule = "" if result.rule == "-" else result.rule  # "-": the failure breaks no rule of this module
             if result.rule and catalogue(stem).rule(result.rule) is None:  # a check naming a rule its catalogue lacks
                 result.status, result.reason = "kit error", f"the check names the rule {result.rule!r}, which " \

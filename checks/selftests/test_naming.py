@@ -142,3 +142,19 @@ def test_probabilities_skipping_the_cast_at_temperature_1_is_told_its_dtype(tmp_
                   "    scaled = logits if bool((temperature == 1).all()) else logits.float() / torch.where(",
                   "-k", "exact")
     assert "`probabilities` returned bfloat16, expected float32" in out
+
+
+def test_ranks_that_skip_the_lm_heads_gather_are_told_its_rule(tmp_path):
+    """p07's parallel_lm_head returning None on the ranks other than 0 before their gather: rank 0 waits in a gather
+    no other rank joins (the forward returns on rank 1), or the other ranks go on to the next step's broadcast. The
+    report says which collective the others never made, and names the LM head's rule, not the layers'."""
+    out = checked(tmp_path, "p07_tensor_parallel",
+                  "    logits = hidden @ embed_shard.T  # [T, Vr]\n    world_size = dist.get_world_size()\n"
+                  "    if dist.get_rank() != 0:\n        dist.gather(logits, None, dst=0)\n        return None\n",
+                  "    if dist.get_rank() != 0:\n        return None\n"
+                  "    logits = hidden @ embed_shard.T  # [T, Vr]\n    world_size = dist.get_world_size()\n",
+                  "-k", "collectives or greedy")
+    assert "rank 0 in its 1st gather, a collective the other ranks never made (rank 1 returned after 5 all_reduce)" \
+        in out, out
+    assert "(rank 0 gather, rank 1 broadcast)" in out and out.count("→ breaks lm-head-gathered") == 2, out
+    assert "two-all-reduces-a-layer" not in out, out
