@@ -14,6 +14,7 @@ The scheduler sits on the learner's own p01 `BlockManager`; block ids and the fr
 contract, so a p01 that passes its checks is assumed here.
 """
 
+import copy
 import re
 from dataclasses import dataclass, field
 
@@ -166,9 +167,10 @@ class ModelCache:
         self.ends[block] = prefix
         self.cache[prefix] = block
 
-    def allocate(self, tokens: list[int]) -> tuple[list[int], int]:
-        """(block table, cached tokens): the longest run of leading full blocks found, never the last block."""
-        n, table, cached, hitting = self.blocks_for(len(tokens)), [], 0, True
+    def allocate(self, tokens: list[int], table: list[int] | None = None) -> tuple[list[int], int]:
+        """(block table, cached tokens): the longest run of leading full blocks found, never the last block. The
+        table is filled as the blocks are taken (`table`, when given), so one that ran out can be given back."""
+        n, table, cached, hitting = self.blocks_for(len(tokens)), [] if table is None else table, 0, True
         for j in range(n):
             end = (j + 1) * self.size
             prefix = tuple(tokens[:end]) if end <= len(tokens) else None
@@ -192,6 +194,15 @@ class ModelCache:
             if self.refs[block] == 0:
                 self.free.append(block)
 
+    def try_allocate(self, tokens: list[int]) -> None:
+        """What an allocate that does not fit leaves behind when it is given back: it takes blocks until none is
+        left, then releases them (last first), the full ones sealed and its cache hits' blocks revived."""
+        table: list[int] = []
+        try:
+            self.allocate(tokens, table)
+        except IndexError:
+            self.release(table)
+
 
 class Model:
     """The contract's policy, written as plainly as possible, on the model's own blocks."""
@@ -202,6 +213,7 @@ class Model:
         self.max_num_seqs, self.budget, self.eos = max_num_seqs, budget, eos
         self.waiting: list[ModelRequest] = []
         self.running: list[ModelRequest] = []
+        self.refused: ModelRequest | None = None  # the waiting request the last prefill loop found no blocks for
 
     def accepts(self, prompt_len: int, max_tokens: int) -> bool:
         """Whether the request could ever fit the cache alone: its prompt and all completion tokens but the last."""
@@ -216,12 +228,17 @@ class Model:
     def finished(self) -> bool:
         return not self.waiting and not self.running
 
-    def schedule(self) -> tuple[list[ModelRequest], bool]:
-        batch, left = [], self.budget
+    def schedule(self, tried: bool = False) -> tuple[list[ModelRequest], bool]:
+        """The step's batch and whether it is a prefill. `tried`: a request without room is allocated all the
+        same and given back (a learner's loop that tries allocate instead of asking can_allocate)."""
+        batch, left, self.refused = [], self.budget, None
         while self.waiting and len(batch) < self.max_num_seqs and left > 0:
             head = self.waiting[0]
             if not head.table:
                 if len(self.cache.free) < self.cache.blocks_for(len(head.tokens)):
+                    self.refused = head
+                    if tried:
+                        self.cache.try_allocate(head.tokens)
                     break  # no room for it: the step ends here
                 head.table, head.computed = self.cache.allocate(head.tokens)
             rest = len(head.tokens) - head.computed
@@ -300,6 +317,8 @@ class Facts:
     completed: set[str]  # a prefill that computed all of their tokens
     taken: set[int] = field(default_factory=set)  # blocks it took from the free list (allocations, decode slots)
     finished: set[str] = field(default_factory=set)
+    refused: str = ""  # the waiting request the prefill loop found no blocks for (can_allocate said no)
+    tried_free: list[int] | None = None  # the free list had the step tried to allocate that one and given it back
 
 
 class Driver:
@@ -363,13 +382,15 @@ class Driver:
         holding = {r.name for r in self.model.waiting if r.table}
         self.holding = holding
         free_before = set(self.model.cache.free)
+        before = copy.deepcopy(self.model)  # for a step that tries to allocate a request without room
         expected, expected_prefill = self.model.schedule()
         self.facts = Facts(expected_prefill, {r.name for r in self.model.waiting if r.name in running_before},
                            {r.name: r.computed for r in [*expected, *self.model.waiting]  # a deferred one got them too
                             if expected_prefill and r.table and r.name not in holding},
                            {r.name for r in expected if r.computed + r.scheduled < len(r.tokens)},
                            {r.name for r in expected if expected_prefill and r.computed + r.scheduled == len(r.tokens)},
-                           free_before - set(self.model.cache.free))
+                           free_before - set(self.model.cache.free),
+                           refused=self.model.refused.name if self.model.refused else "")
         self.ever_preempted = getattr(self, "ever_preempted", set()) | self.facts.preempted
         got = self.scheduler.schedule()
         if not isinstance(got, tuple) or len(got) != 2:
@@ -404,8 +425,15 @@ class Driver:
                       f"num_scheduled_tokens), expected {'prefill' if toy['is_prefill'] else 'decode'} "
                       f"{batch_text(toy['batch'])}", self.batch_rule(seen, is_prefill, want, expected_prefill))
         if self.follow_model and (seen != want or is_prefill != expected_prefill):
+            refused = self.model.refused if self.facts.refused in names else None
+            unrun = self.unrun(names, want)
             self.fail(f"{at}: the batch is {kind} {batch_text(seen)} (request and num_scheduled_tokens), "
-                      f"expected {'prefill' if expected_prefill else 'decode'} {batch_text(want)}",
+                      f"expected {'prefill' if expected_prefill else 'decode'} {batch_text(want)}" + (
+                          f": {refused.name} needs {count(self.model.cache.blocks_for(len(refused.tokens)), 'block')}, "
+                          f"{len(self.model.cache.free)} free, so can_allocate says no (it counts "
+                          f"no cache hit) and the step ends before it" if refused else "") + (
+                          f": {unrun[0]} went from waiting to running without its tokens computed (a request leaves "
+                          f"waiting only in the step that computes all of them)" if unrun else ""),
                       self.batch_rule(seen, is_prefill, want, expected_prefill))
         tokens = self.tokens_for(names, sampled)
         if tokens:
@@ -437,6 +465,11 @@ class Driver:
         finished_names = [self.name_of(r, f"{at}: postprocess's finished requests") for r in finished]
         expected_finished = [r.name for r in self.model.postprocess(expected, tokens)]
         self.facts.finished = set(expected_finished)
+        if self.facts.refused:  # the same step, had it tried to allocate the request without room and given it back
+            tried, _ = before.schedule(tried=True)
+            if [r.name for r in tried] == [r.name for r in expected]:
+                before.postprocess(tried, tokens)
+                self.facts.tried_free = before.cache.free
         if finished_names:
             self.history[-1] += f" finished {ids(finished_names)}"
         if self.follow_model and finished_names != expected_finished:
@@ -548,6 +581,14 @@ class Driver:
                           "prefill-fills-the-step")
             self.fail(f"{at}: the prefill batch {batch_text(batch)} also decodes {ids(strays)}, which {were} "
                       f"running: a step is prefill or decode, never both", "one-kind-a-step")
+        unrun = [name for name in strays if name in self.before["waiting"]
+                 and 0 < self.request(name).computed == len(self.request(name).tokens) - 1]
+        if unrun:  # sent from waiting to running with only its last token left, as if that were a decode's
+            seen = self.request(unrun[0])
+            self.fail(f"{at}: the decode batch {batch_text(batch)} holds {unrun[0]}, which was waiting with "
+                      f"{seen.computed} of its {count(len(seen.tokens), 'token')} computed: a request leaves waiting "
+                      f"only in the prefill step that computes all its tokens, the last one too (the prefix cache "
+                      f"never serves it)", "a-chunk-stays-first")
         if strays:
             self.fail(f"{at}: the decode batch {batch_text(batch)} holds {ids(strays)}, which {were} not "
                       f"running: a step is prefill or decode, never both", "one-kind-a-step")
@@ -699,10 +740,14 @@ class Driver:
         if free != model.cache.free:
             early = [name for name in waiting if not self.models[name].table and name not in self.facts.preempted
                      and live[name].table] if sorted(free) != sorted(model.cache.free) else []
+            tried = self.facts.tried_free == free and not early
             self.fail(f"{where}: block_manager.free_block_ids is {differing(free, model.cache.free)}" + (
                 f": waiting {early[0]} holds blocks {live[early[0]].table}, but the step did not take it: a prefill "
                 f"step checks max_num_seqs and the budget left before it allocates the next request"
-                if early else ""), self.free_rule(free, model.cache.free))
+                if early else "") + (
+                f": as if the step had allocated waiting {self.facts.refused}, which does not fit the free blocks, "
+                f"and given them back: ask can_allocate first, and end the step where it says no" if tried else ""),
+                "prefill-fills-the-step" if tried else self.free_rule(free, model.cache.free))
         for name, seen in live.items():
             mine = self.models[name]
             self.expect_computed(where, name, seen.computed)  # first: postprocess appends a token or not by it
@@ -792,6 +837,8 @@ class Driver:
         if want_prefill and wanted[0] in self.facts.chunked and wanted[0] not in names and \
                 self.read(self.remotes[wanted[0]], "num_scheduled_tokens", wanted[0]) == want[0][1]:
             return "token-budget"  # the first request was cut to the budget, and then left out of the batch
+        if self.unrun(names, want):
+            return "a-chunk-stays-first"  # left waiting for running although the step computed none of it
         if is_prefill != want_prefill:
             return "prefill-before-decode"
         if not is_prefill:
@@ -832,9 +879,16 @@ class Driver:
             return "prefill-fills-the-step"
         if wanted == names[: len(wanted)]:
             name, n = seen[len(wanted)]
+            if name == self.facts.refused:  # admitted where can_allocate says no (allocated on its cache hits)
+                return "prefill-fills-the-step"
             whole = len(self.models[name].tokens) - self.models[name].computed
             return "only-the-first-is-chunked" if n < whole else "prefill-fills-the-step"
         return "waiting-in-order"
+
+    def unrun(self, names: list[str], want: list) -> list[str]:
+        """The requests the model's prefill takes and the learner's leaves out, yet moved from waiting to running."""
+        running = self.queue("running")
+        return [n for n, _ in want if n not in names and n in self.before["waiting"] and n in running]
 
     def queue_rule(self, field: str, got: list[str], want: list[str]) -> str:
         f = self.facts
