@@ -965,7 +965,8 @@ class Driver:
         f = self.facts
         if sorted(free) != sorted(want):
             if self.kept_blocks("waiting", lambda name: not self.models[name].table and name not in f.preempted):
-                return "prefill-fills-the-step"  # blocks for a request the step did not get to: it went on too far
+                # blocks for a request the step did not get to: it went on too far, past the seats or the budget
+                return "seq-cap" if len(f.chunked | f.completed) >= self.max_num_seqs else "prefill-fills-the-step"
             freed = set(free) - set(want)  # free here, held in the model: by whom?
             if not f.prefill and freed & f.taken:
                 return "decode-takes-a-slot"  # the block the model's decode step opened is still free here
@@ -1142,6 +1143,14 @@ def test_max_num_seqs_caps_every_step(impl):
     d.step()  # prefill [C 1, D 1]
     names, _, _ = d.step()  # decode: A and B again, C and D wait their turn in running
     d.expect("step 3: the batch", names, ["A", "B"])
+    d.run_to_the_end()
+    d = Driver(impl, 10, 4, 1, 4)  # 1 seat, a budget of 4: a chunked prompt's later chunks take the seat too
+    d.add(0, list(range(1, 11)), 1)
+    d.add(1, [20, 21], 1)
+    d.step()  # prefill [A 4]: A gets its blocks
+    d.step()  # prefill [A 4]: A holds its blocks
+    names, _, _ = d.step()  # prefill [A 2]: budget is left for B, but not a seat
+    d.expect("step 3: the batch", names, ["A"])
     d.run_to_the_end()
 
 

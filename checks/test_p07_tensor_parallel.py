@@ -80,8 +80,12 @@ REFUSAL_RULES = {"column_shard": "column-shard", "row_shard": "row-shard",
 # collectives at once, or some returned while the others waited (one skipped or added one), whatever the function
 # they were in. A step gathers its logits before rank 0's token is broadcast, and the gather is a forward's last
 # collective: a rank at a broadcast while another is at the gather, or one that returned while another waits in the
-# gather, skipped the LM head's gather.
+# gather, skipped the LM head's gather. A collective the checks' ranks do not carry (point to point: send, recv)
+# breaks the rule of the function that called it, which must make its collectives instead.
 REASON_RULES = {
+    r"\(called in `parallel_lm_head`\) is not carried": "lm-head-gathered",
+    r"\(called in `vocab_parallel_embedding`\) is not carried": "embedding-masked-and-reduced",
+    r"\(called in `tp_generate_greedy`\) is not carried": "greedy-broadcasts",
     r"different collectives at once \((?=[^)]*\bgather\b)(?=[^)]*\bbroadcast\b)": "lm-head-gathered",
     r"in its \w+ gather, a collective the other ranks never made": "lm-head-gathered",
     r"the ranks made different collectives at once|a collective the other ranks never made": "two-all-reduces-a-layer",

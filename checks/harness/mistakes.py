@@ -32,7 +32,7 @@ from .loader import ROOT, Implementation
 from .ranks import RankCall
 from .simdist import run_ranks
 from .standins import use_standins
-from .values import argument_names, changed_input, copy_with_layout, leaves, plain, same, whole_storage
+from .values import argument_names, changed_input, copy_with_layout, input_state, leaves, plain, same, whole_storage
 
 Patch = Callable[[str], str]
 
@@ -298,7 +298,7 @@ def _replay_seeded(events: list, module, time_limit: float, compare) -> list:
                 function = getattr(made[event.owner], event.name.rsplit(".", 1)[1])
             names = argument_names(function, args, kwargs)
             written = {key: (args[key] if isinstance(key, int) else kwargs[key]) for key in event.written}
-            before = {arg: leaves(value) for arg, value in names.items()
+            before = {arg: input_state(value) for arg, value in names.items()
                       if not any(value is w for w in written.values())}
             result = run_with_time_limit(function, time_limit, *args, **kwargs)
             aliased = _aliases(result, (args, kwargs))

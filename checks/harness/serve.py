@@ -34,7 +34,7 @@ import torch
 from . import wire
 from .loading import LoadError, Package, first_line
 from .standins import use_standins
-from .values import argument_names, changed_input, leaves, plain
+from .values import argument_names, changed_input, input_state, leaves, plain
 
 PR_SET_PDEATHSIG, PR_SET_CHILD_SUBREAPER = 1, 36
 PROCESS_MARGIN = 128  # processes and threads a worker may add to its user's count (torch's threads, ptxas)
@@ -305,7 +305,7 @@ class Worker:
                 watch: bool = False) -> None:
         written = [args[key] if isinstance(key, int) else kwargs[key] for key in writes]
         names = argument_names(fn, args, kwargs)
-        before = {arg: leaves(value) for arg, value in names.items() if not any(value is w for w in written)}
+        before = {arg: input_state(value) for arg, value in names.items() if not any(value is w for w in written)}
         inputs = {_storage(t) for value in names.values() for t in leaves_of(value)}
         largest = LargestTensor() if watch else None
         if rng_seed is not None:  # torch's global generator, for code that draws from it: the same verdict every run
@@ -392,9 +392,10 @@ def _carried(worker: Worker, name: str, original):
            dist.ReduceOp.MAX: "max"}
 
     def collective(*args, **kwargs):
-        if name not in CARRIED:
-            raise RuntimeError(f"torch.distributed.{name} is not carried between the checks' ranks (they carry "
-                               f"{', '.join(CARRIED)})")
+        if name not in CARRIED:  # said with the function that called it: its rule is that function's
+            caller = sys._getframe(1).f_code.co_name
+            raise RuntimeError(f"torch.distributed.{name} (called in `{caller}`) is not carried between the checks' "
+                               f"ranks (they carry {', '.join(CARRIED)})")
         given = signature.bind(*args, **kwargs)
         given.apply_defaults()
         a = given.arguments

@@ -98,13 +98,44 @@ def leaves(value) -> dict[str, torch.Tensor]:
     return found
 
 
+CONTAINERS = (list, tuple, dict, set, frozenset, deque)
+CONTENTS = "="  # the key of a container argument's plain contents in `input_state`
+
+
+def input_state(value) -> dict:
+    """What a call must leave as it was of one argument: clones of its tensors (`leaves`) and, for a list, tuple,
+    dict, set or deque, its contents (`contents`) under the key CONTENTS."""
+    state = leaves(value)
+    if type(value) in CONTAINERS:
+        state[CONTENTS] = contents(value)
+    return state
+
+
+def contents(value):
+    """A container's items as comparable data, nested containers too: numbers and strings as they are (a float by
+    its bits, so NaN equals NaN), any other object (a tensor, a request) by its identity (a tensor's values are
+    `leaves`' to compare)."""
+    if type(value) in CONTAINERS:
+        items = value.items() if type(value) is dict else enumerate(value)
+        rows = [(key, contents(item)) for key, item in items]
+        return type(value).__name__, sorted(rows, key=repr) if type(value) in (set, frozenset) else rows
+    if type(value) is float:
+        return value.hex()
+    if value is None or type(value) in (bool, int, str, bytes):
+        return value
+    return "object", id(value)
+
+
 def changed_input(before: dict[str, dict], names: dict[str, object], bitwise: bool = False) -> str | None:
-    """The first argument (or tensor inside one) that differs from its copy taken before the call (`bitwise`: in
-    any byte, as the worker sees an input in shared memory: -0.0 written over 0.0 is a change)."""
+    """The first argument (or tensor inside one) that differs from its state taken before the call (`input_state`;
+    `bitwise`: in any byte, as the worker sees an input in shared memory: -0.0 written over 0.0 is a change)."""
     for arg, snapshot in before.items():
-        path = first_change(snapshot, leaves(names[arg]), bitwise)
+        tensors = {path: t for path, t in snapshot.items() if path != CONTENTS}
+        path = first_change(tensors, leaves(names[arg]), bitwise)
         if path is not None:
             return arg + path
+        if CONTENTS in snapshot and contents(names[arg]) != snapshot[CONTENTS]:
+            return arg
     return None
 
 
