@@ -229,8 +229,9 @@ class Model:
         return not self.waiting and not self.running
 
     def schedule(self, tried: bool = False) -> tuple[list[ModelRequest], bool]:
-        """The step's batch and whether it is a prefill. `tried`: a request without room is allocated all the
-        same and given back (a learner's loop that tries allocate instead of asking can_allocate)."""
+        """The step's batch and whether it is a prefill. `tried`: a request can_allocate refuses is allocated all
+        the same, and given back when the free list runs out (a learner's loop that tries allocate instead of
+        asking can_allocate)."""
         batch, left, self.refused = [], self.budget, None
         while self.waiting and len(batch) < self.max_num_seqs and left > 0:
             head = self.waiting[0]
@@ -1400,7 +1401,7 @@ def test_a_finished_request_gives_its_blocks_back(impl):
 
 def test_add_refuses_what_the_cache_cannot_hold(impl):
     """add refuses a request the whole cache could never hold, max_tokens 0 or -1 and an empty prompt, and accepts
-    one that fits exactly"""
+    one that fits exactly, and one whose id a waiting request has"""
     d = Driver(impl, 3, 2, 4, 16)
     d.add(0, [1, 2, 3, 4, 5, 6, 7], 1)  # 4 blocks for the prompt alone: refused
     d.add(1, [1, 2], 6)  # 2 + 6 - 1 tokens need 4 blocks: refused
@@ -1410,16 +1411,34 @@ def test_add_refuses_what_the_cache_cannot_hold(impl):
     d.add(2, [1, 2, 3], 4)  # 3 + 4 - 1 = 6 tokens: 3 blocks (the completions share the prompt's last), accepted
     d.add(6, [1, 2, 3, 4, 5, 6], 1)  # the whole cache for the prompt, and its one token needs no slot: accepted
     d.run_to_the_end()
+    scheduler = impl.Scheduler(3, 2, 4, 16)
+    scheduler.add(0, [1, 2], 2)
+    try:  # the ids are the caller's: the scheduler never reads them, and refuses nothing for one
+        scheduler.add(0, [3, 4], 2)
+    except LearnerError as error:
+        if "ValueError" not in str(error):
+            raise
+        said = error.noted("add refused a request whose id 0 a waiting request has too: the ids are the caller's, "
+                           "and add refuses only a request the whole cache could never hold, an empty prompt or "
+                           "max_tokens below 1")
+        said.rule, said.identifiable = "add-refuses", True
+        raise said from None
 
 
 def idle_step(d: "Driver", when: str) -> None:
     """schedule() with no request, and postprocess of the empty batch it returns: nothing to run, nothing finished."""
     d.step_number += 1
-    got = d.scheduler.schedule()
+    try:
+        got = d.scheduler.schedule()
+    except LearnerError as error:  # an idle step refused: it is a step like any other, and breaks that rule
+        raise idle_refused(error, d, when, "schedule()") from None
     if got != ([], False):
         d.fail(f"step {d.step_number} ({when}): schedule() returned {d.shown(got)}, expected ([], False): nothing "
                f"waits or runs", "empty-steps")
-    finished = d.scheduler.postprocess([], [])
+    try:
+        finished = d.scheduler.postprocess([], [])
+    except LearnerError as error:
+        raise idle_refused(error, d, when, "postprocess([], [])") from None
     if finished is not None and not isinstance(finished, list | tuple):  # a generator, a set: the type says it
         d.fail(f"step {d.step_number} ({when}): postprocess([], []) returned {d.shown(finished)}, expected the list "
                f"of finished requests", "-")
@@ -1427,6 +1446,15 @@ def idle_step(d: "Driver", when: str) -> None:
         d.fail(f"step {d.step_number} ({when}): postprocess([], []) returned {d.shown(finished)}, expected [] (the "
                f"requests an empty step finished: none)", "empty-steps")
     d.history.append(f"step {d.step_number}: idle")
+
+
+def idle_refused(error: LearnerError, d: "Driver", when: str, call: str) -> LearnerError:
+    """A learner's error in an idle step's `call`: said with the step, and, where the code raised (not a crash or a
+    time-out), breaking empty-steps."""
+    said = error.noted(f"step {d.step_number} ({when}): {call} with nothing to run must return as any step does")
+    if " raised " in str(error) and not error.crash:
+        said.rule = "empty-steps"
+    return said
 
 
 def test_an_idle_step_schedules_and_finishes_nothing(impl):

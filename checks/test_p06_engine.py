@@ -835,6 +835,16 @@ def ran_a_step(llm) -> bool:
 REFUSED = object()  # what `refused` gives for a call that raised ValueError
 
 
+def expect_nothing_queued(llm, what: str, rule: str) -> None:
+    """After generate refused a call (`what`, in words), none of its prompts may stay in the engine's scheduler: a
+    refusal comes before anything is queued. (A LearnerError: the scheduler's state, not a result a catalogued
+    mistake could be compared on.)"""
+    queued = len(llm.scheduler.waiting) + len(llm.scheduler.running)
+    if queued:
+        raise LearnerError(f"after LLM.generate refused {what}, {counted(queued, 'request')} stayed in its scheduler: "
+                           f"check every prompt and the params before queueing any", rule=rule)
+
+
 def refused(call, rule: str = ""):
     """`call()`'s result, or REFUSED when the learner's code raised ValueError; any other error goes on up, as the
     refusal `rule` asks for where the code raised another exception (an assert, a TypeError)."""
@@ -899,12 +909,14 @@ def test_generate_refuses_a_request_longer_than_max_model_len(impl, seed):
         raise Mismatch(f"LLM.generate of 1 prompt with a list of 2 SamplingParams returned {str(served)[:40]}: a list "
                        f"gives one params per prompt, so one of another length raises ValueError",
                        "one-params-per-prompt")
+    expect_nothing_queued(llm, "1 prompt with a list of 2 SamplingParams", "one-params-per-prompt")
     served = refused(lambda: llm.generate([list(prompt), list(prompt[:4])], [Params(max_tokens=1)]),
                      "one-params-per-prompt")
     if served is not REFUSED:  # ... nor a list of one for several prompts (one object for all is not in a list)
         raise Mismatch(f"LLM.generate of 2 prompts with a list of 1 SamplingParams returned {str(served)[:40]}: a list "
                        f"gives one params per prompt (one object for every prompt is passed alone, not in a list), so "
                        f"one of another length raises ValueError", "one-params-per-prompt")
+    expect_nothing_queued(llm, "2 prompts with a list of 1 SamplingParams", "one-params-per-prompt")
     too_long = random_prompts(gen, SHAPES[ONE_HEAD][0], (17,))[0]
     served = refused(lambda: llm.generate([list(too_long)], [Params(max_tokens=1)]), "refuses-over-max-model-len")
     if served is not REFUSED:  # a prompt longer than max_model_len on its own
@@ -912,10 +924,21 @@ def test_generate_refuses_a_request_longer_than_max_model_len(impl, seed):
                        f"{str(served)[:40]}): each prompt's own length with its max_tokens must fit max_model_len, "
                        f"or generate raises ValueError", "refuses-over-max-model-len")
     small = impl.LLM(on_device(weights(seed, ONE_HEAD)), Config(max_model_len=16, num_blocks=SMALL_CACHE_BLOCKS))
+    fills = SMALL_CACHE_BLOCKS * Config.block_size
+    try:  # the whole cache exactly: the prompt fills every block, and its one token needs no slot
+        small.generate([list(prompt[:fills])], Params(max_tokens=1))
+    except LearnerError as error:
+        if "raised ValueError" not in str(error) or ran_a_step(small):
+            raise
+        raise LearnerError(f"{error} · LLM.generate refused a prompt of {fills} tokens with max_tokens 1 in a cache of "
+                           f"{SMALL_CACHE_BLOCKS} blocks of {Config.block_size}: the prompt fills the cache exactly, "
+                           f"and its one token is returned, never stored (p05's add counts every token but the last)",
+                           rule="refuses-over-max-model-len") from None
+    steps = steps_counted(small)
     try:  # within max_model_len, but more than the whole cache: p05's add refuses it, and generate lets that through
         served = small.generate([list(prompt)], Params(max_tokens=1))
     except LearnerError as error:
-        if "raised ValueError" not in str(error) or ran_a_step(small):
+        if "raised ValueError" not in str(error) or steps_counted(small) != steps:
             raise
     else:
         raise Mismatch(f"LLM.generate of a prompt of 10 tokens with max_tokens 1 in a cache of "
@@ -927,11 +950,8 @@ def test_generate_refuses_a_request_longer_than_max_model_len(impl, seed):
     except LearnerError as error:
         if "raised ValueError" not in str(error):
             raise
-        queued = len(llm.scheduler.waiting) + len(llm.scheduler.running)
-        if queued:  # (the scheduler's state, not a result a catalogued mistake could be compared on)
-            raise LearnerError(f"after LLM.generate refused its second prompt (10 tokens, max_tokens 7, max_model_len "
-                               f"16), {counted(queued, 'request')} stayed in its scheduler: check every prompt before "
-                               f"queueing any", rule="refuses-over-max-model-len") from None
+        expect_nothing_queued(llm, "its second prompt (10 tokens, max_tokens 7, max_model_len 16)",
+                              "refuses-over-max-model-len")
         return
     try:  # one token over, or any number over: which limit the code holds
         llm.generate([list(prompt)], [Params(max_tokens=8)])

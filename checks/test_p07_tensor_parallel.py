@@ -222,8 +222,9 @@ def expect_shard(got, expected: RankLayer, rank: int, tp: int) -> None:
                 raise Mismatch(f"rank {rank} of {tp}: `{name}` has shape {shape}, expected {tuple(want.shape)}")
             if mine.dtype != want.dtype or not torch.equal(mine, want):
                 raise Mismatch(f"rank {rank} of {tp}: `{name}` holds other values than {shard_words(name)}")
-        elif mine != want:
-            raise Mismatch(f"rank {rank} of {tp}: `{name}` is {mine!r}, expected {want!r}")
+        elif mine != want or type(mine) is not type(want):  # 2.0 heads equal 2, but split no tensor
+            raise Mismatch(f"rank {rank} of {tp}: `{name}` is {mine!r}, expected {want!r}" + (
+                f" ({type(want).__name__}, not {type(mine).__name__}: use // for a count)" if mine == want else ""))
 
 
 def shard_words(name: str) -> str:
@@ -625,7 +626,8 @@ def test_greedy_matches_hf_generate(impl, seed):
     for rank, tokens in enumerate(out):
         if not isinstance(tokens, torch.Tensor) or tokens.dtype != torch.int64 or tokens.shape != (GREEDY_TOKENS,):
             got = f"shape {list(tokens.shape)} {str(tokens.dtype).removeprefix('torch.')}" \
-                if isinstance(tokens, torch.Tensor) else f"{tokens!r:.60}"
+                if isinstance(tokens, torch.Tensor) else "None" if tokens is None else \
+                f"a {type(tokens).__name__} {tokens!r:.60}, not a tensor"
             counted_wrong = isinstance(tokens, torch.Tensor) and tokens.dtype == torch.int64 and tokens.dim() == 1
             only_rank_0 = tokens is None and rank > 0 and isinstance(out[0], torch.Tensor)  # as parallel_lm_head does
             raise Mismatch(f"tp_generate_greedy on rank {rank} returned {got}, expected shape [{GREEDY_TOKENS}] int64: "
