@@ -1449,10 +1449,10 @@ def idle_step(d: "Driver", when: str) -> None:
 
 
 def idle_refused(error: LearnerError, d: "Driver", when: str, call: str) -> LearnerError:
-    """A learner's error in an idle step's `call`: said with the step, and, where the code raised (not a crash or a
-    time-out), breaking empty-steps."""
+    """A learner's error in an idle step's `call`: said with the step, and, where the code refused the step (raised
+    an error of its own, not a slip such as a TypeError, a crash or a time-out), breaking empty-steps."""
     said = error.noted(f"step {d.step_number} ({when}): {call} with nothing to run must return as any step does")
-    if " raised " in str(error) and not error.crash:
+    if re.search(r" raised (ValueError|RuntimeError|AssertionError|Exception)\b", str(error)) and not error.crash:
         said.rule = "empty-steps"
     return said
 
