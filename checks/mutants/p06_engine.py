@@ -50,6 +50,17 @@ MISTAKES = [
         replace('        return [list(request.completion_token_ids) for request in requests]\n', '        return [list(request.token_ids) for request in requests]\n'),
     ),
     Mistake(
+        "outputs-of-every-call",
+        "generate returns the completions of every request the engine has served, earlier calls' too",
+        "Return one list per prompt of this call, in its order: keep the requests this call added, not a list on the "
+        "engine that grows from call to call.",
+        chain(replace("        while not self.scheduler.is_finished():\n            self.step()\n",
+                      "        self.served = [*getattr(self, 'served', []), *requests]  # every request, every call\n"
+                      "        while not self.scheduler.is_finished():\n            self.step()\n"),
+              replace("        return [list(request.completion_token_ids) for request in requests]\n",
+                      "        return [list(request.completion_token_ids) for request in self.served]\n")),
+    ),
+    Mistake(
         'ignore-eos-not-passed',
         "generate does not pass a request's ignore_eos to the scheduler",
         'Pass SamplingParams.ignore_eos to Scheduler.add: without it every request stops at the stop token.',

@@ -56,6 +56,14 @@ MISTAKES = [
         replace("if H % world_size or KVH % world_size:", "if H < world_size or KVH < world_size:"),
     ),
     Mistake(
+        "head-counts-as-floats",
+        "shard_layer divides the head counts with / (floats) instead of //",
+        "H / tp is a float (4 / 2 is 2.0): it equals the count, but a float splits no tensor and sizes no view. Use "
+        "H // tp and KVH // tp, which the divisibility check makes exact.",
+        replace("num_heads=H // world_size, num_kv_heads=KVH // world_size",
+                "num_heads=H / world_size, num_kv_heads=KVH / world_size"),
+    ),
+    Mistake(
         'gate-up-swapped',
         "the rank's fused gate/up output split as (up, gate)",
         "The shard stacks the rank's gate rows first, then its up rows: the first half is gate, which SiLU takes; the second is up.",
