@@ -26,7 +26,7 @@ ON_THE_TOY = {"qkv-contiguous-slice", "gate-up-contiguous-slice", "heads-not-div
               "embedding-not-masked", "gather-out-of-order", "kv-heads-not-divided", "embedding-block-at-zero",
               "gate-up-swapped", "row-shard-start-not-scaled", "norm-before-reduce", "embedding-not-reduced",
               "merged-parts-equal", "mlp-residual-from-normed", "lm-head-slice-on-other-ranks",
-              "attention-reads-unnormed", "gather-slices-aliased"}
+              "attention-reads-unnormed", "gather-slices-aliased", "head-counts-as-floats"}
 # A number each Pitfalls entry quotes, which the book's run of the mistake must show.
 QUOTED = {
     "column-shard-unchecked": "[0], [1], [2], [3]",
