@@ -420,6 +420,7 @@ class Driver:
                 self.fail(f"{at}: {name} is not in the batch {batch_text(seen)}, but its num_scheduled_tokens is "
                           f"{left_out}: a request the step leaves out schedules nothing (set the count only for a "
                           f"request the step takes)", "scheduled-back-to-zero")
+        self.expect_blocks_held_rightly(at)
         want = [(r.name, r.scheduled) for r in expected]
         if toy is not None and ([list(b) for b in seen] != toy["batch"] or is_prefill != toy["is_prefill"]):
             self.fail(f"{at}: the batch is {kind} {batch_text(seen)} (request and "
@@ -485,6 +486,40 @@ class Driver:
                       f"{self.model.finished()}: " + (f"{ids(left)} still wait or run" if left else
                                                        "no request waits or runs"), "is-finished")
         return names, is_prefill, finished_names
+
+    def expect_blocks_held_rightly(self, at: str) -> None:
+        """After schedule no free block is in a waiting or running request's table, and a block two requests hold
+        holds the same full prefix for both: a block goes back on the free list only through BlockManager.free,
+        when no request holds it any more."""
+        try:
+            free = set(self.scheduler.block_manager.free_block_ids)
+        except LearnerError:
+            raise
+        except Exception as error:  # noqa: BLE001
+            raise LearnerError(f"reading block_manager.free_block_ids raised {type(error).__name__}: {error}") from None
+        live = {name: self.request(name) for name in [*self.queue("waiting"), *self.queue("running")]}
+        note = (f" ({ids(sorted(self.facts.preempted))} preempted in this step: a preemption gives its blocks back "
+                f"through BlockManager.free, which frees a shared block only when its ref_count falls to 0)"
+                if self.facts.preempted else "")
+        for name, seen in live.items():
+            held = [block for block in seen.table if block in free]
+            if held:
+                self.fail(f"{at}: after schedule, block {held[0]} is in block_manager.free_block_ids, but it is in "
+                          f"{name}'s block table {seen.table}{note}", "blocks-accounted")
+        self.expect_shared_prefixes(f"{at}: after schedule", live, note)
+
+    def expect_shared_prefixes(self, where: str, live: dict, note: str = "") -> None:
+        """A block held by several requests (a prefix-cache hit) is full and holds the same tokens for each."""
+        owners: dict[int, list[tuple[str, int]]] = {}
+        for name, seen in live.items():
+            for j, block in enumerate(seen.table):
+                owners.setdefault(block, []).append((name, j))
+        for block, holders in owners.items():
+            prefixes = {(j, tuple(live[name].tokens[: (j + 1) * self.size])) for name, j in holders}
+            full = all(len(live[name].tokens) >= (j + 1) * self.size for name, j in holders)
+            if len(holders) > 1 and (len(prefixes) > 1 or not full):
+                self.fail(f"{where}: block {block} is shared by {ids(name for name, _ in holders)}, which do not have "
+                          f"the same full prefix up to its end{note}", "blocks-accounted")
 
     def run_to_the_end(self, sampled=None, most: int = 60) -> None:
         while not self.model.finished():
@@ -684,16 +719,12 @@ class Driver:
                 self.fail(f"{where}: block_manager.blocks[{block}].ref_count is {refs[block]}, but {by}",
                           "preempt-resets" if self.facts.preempted else "blocks-accounted")
         for block, holders in owners.items():
-            prefixes = {(j, tuple(live[name].tokens[: (j + 1) * self.size])) for name, j in holders}
-            full = all(len(live[name].tokens) >= (j + 1) * self.size for name, j in holders)
             twice = len({name for name, _ in holders}) < len(holders)
             if twice and {name for name, _ in holders} & self.holding:
                 self.fail(f"{where}: block {block} is held twice by {ids(name for name, _ in holders)}: a request "
                           f"that holds its blocks already (a chunk) is not allocated again, and keeps its progress",
                           "cached-prefix-is-computed")
-            if len(holders) > 1 and (len(prefixes) > 1 or not full):
-                self.fail(f"{where}: block {block} is shared by {ids(name for name, _ in holders)}, which do not have "
-                          f"the same full prefix up to its end", "blocks-accounted")
+        self.expect_shared_prefixes(where, live)
         for name, seen in live.items():
             queue, status = ("running", RUNNING) if name in running else ("waiting", WAITING)
             if seen.status != status and queue == "running" and name in self.facts.chunked:
@@ -1178,7 +1209,8 @@ def test_a_decode_step_is_bounded_by_max_num_seqs_not_the_token_budget(impl):
 
 
 def test_a_cached_prefix_costs_nothing(impl):
-    """a request's cached prefix counts as computed: only the tokens after it cost budget"""
+    """a request's cached prefix counts as computed: only the tokens after it cost budget, and a cached block it
+    shares takes no free block"""
     d = Driver(impl, 8, 4, 4, 6)
     d.add(0, [1, 2, 3, 4, 5], 2)
     d.step()  # prefill [A 5]: block 0 = [1, 2, 3, 4] is cached
@@ -1186,6 +1218,13 @@ def test_a_cached_prefix_costs_nothing(impl):
     d.add(2, [8, 8], 1)
     d.step()  # B hits block 0: 4 computed, costs 2; C costs 2: prefill [B 2, C 2] in a budget of 6
     d.expect_batch(2, [("B", 2), ("C", 2)])
+    d.run_to_the_end()
+    d = Driver(impl, 6, 2, 4, 16)  # every block taken in one step: A 2, B 1 beside A's first (a hit), C 3
+    d.add(0, [1, 2, 3], 3)
+    d.add(1, [1, 2, 4], 3)
+    d.add(2, [5, 6, 7, 8, 9], 3)
+    d.step()  # prefill [A 3, B 1, C 5]: can_allocate counts the free blocks after B's hit
+    d.expect_batch(1, [("A", 3), ("B", 1), ("C", 5)])
     d.run_to_the_end()
 
 
@@ -1213,6 +1252,13 @@ def test_only_the_first_request_of_a_step_is_chunked(impl):
 
 def test_a_chunk_advances_computed_tokens_and_discards_its_token(impl):
     """after a chunk num_computed_tokens grows by the chunk and the token sampled after it is not appended"""
+    d = Driver(impl, 4, 2, 4, 1)  # a budget of 1: every step is a one-token chunk until the prompt's last token
+    d.add(0, [1, 2, 3], 2)
+    d.step([60])  # [A 1] and [A 1]: chunks, their tokens discarded
+    d.step([61])
+    d.expect("after step 2: A's token_ids", d.request("A").tokens, [1, 2, 3],
+             why="a one-token chunk is still a chunk: its token is discarded")
+    d.run_to_the_end()  # [A 1] completes the prompt, then a decode step
     d = Driver(impl, 8, 4, 4, 3, eos_token_id=50)
     prompt = [1, 2, 3, 4, 5, 6, 7]
     d.add(0, prompt, 2)
@@ -1220,7 +1266,9 @@ def test_a_chunk_advances_computed_tokens_and_discards_its_token(impl):
     seen = d.request("A")
     d.expect("after step 1: A's token_ids", seen.tokens, prompt, why="the token sampled after a chunk is discarded")
     d.expect("after step 1: A's num_computed_tokens", seen.computed, 3, "computed token")
-    d.step([51])  # [A 3]: 6 computed
+    d.step([-1])  # [A 3]: 6 computed; p06's engine hands a chunk -1 (no draw), a token postprocess applies all the same
+    d.expect("after step 2: A's num_computed_tokens", d.request("A").computed, 6, "computed token",
+             "a chunk's token is discarded whatever it is (p06's engine gives -1), but its tokens are computed")
     d.step([52])  # [A 1]: the prompt is complete, 52 is A's first completion token
     seen = d.request("A")
     d.expect("after step 3: A's token_ids", seen.tokens, prompt + [52], why="the prompt is complete: 52 is kept")

@@ -285,9 +285,9 @@ def counted(n: int, unit: str) -> str:
     return f"{n} {unit}" if n == 1 else f"{n} {unit}s"
 
 
-def expect_count(run: Run, name: str, check, wanted: str) -> None:
+def expect_count(run: Run, name: str, check, wanted: str, rule: str = "stats-count-once") -> None:
     """`run.stats[name]` passes `check`; `check` None: as many as p05's contract makes on the run (preemptions,
-    chunked prefills)."""
+    chunked prefills). `rule`: the rule a wrong count breaks."""
     value = run.stats.get(name)
     if check is None and name == "preemptions":
         n = contract_counts(run)[name]
@@ -297,7 +297,7 @@ def expect_count(run: Run, name: str, check, wanted: str) -> None:
         n = contract_counts(run)[name]
         check, wanted = (lambda v: v == n), f"{n} ({wanted})"
     if type(value) is not int or not check(value):
-        raise Mismatch(f"LLM.stats[{name!r}] is {value!r}, expected {wanted}", "stats-count-once")
+        raise Mismatch(f"LLM.stats[{name!r}] is {value!r}, expected {wanted}", rule)
 
 
 # ---- which module broke the engine -----------------------------------------------------------------
@@ -652,11 +652,12 @@ PREFIX_TAILS = (3, 2, 1)  # the tokens after the shared blocks of each prompt of
 PREFIX_PROMPTS = len(PREFIX_TAILS)
 PREFIX_BUDGET = 16  # the prefix-cache check's budget: A, B and C's first step (11 + 2 + 1 tokens) fits, D's rest not
 LATER_TAIL = 19  # D's tokens after the shared blocks: chunked under PREFIX_BUDGET into 16 + 3
+TWIN_PROMPT, TWIN_MAX = 5, 3  # two equal prompts in one call: one full block of 4 shared, 3 tokens each
 
 
 def test_prefix_hits_are_served_and_counted(request, impl, seed):
     """prompts that share two full blocks are served by the prefix cache (counted once per request, a chunked one
-    too), with HF's tokens"""
+    too, and each of two equal prompts of one call), with HF's tokens"""
     layout = "L2-H4-KVH2-D16"
     gen = torch.Generator().manual_seed(seed)
     shared = random_prompts(gen, 96, (SHARED_BLOCKS * Config.block_size,))[0]  # two blocks of 4: 8 tokens
@@ -685,6 +686,19 @@ def test_prefix_hits_are_served_and_counted(request, impl, seed):
                      f"{PREFIX_PROMPTS * n} cached tokens after the second call: its two shared blocks were freed but "
                      f"still cached (counted once, in the first of the two steps that compute its other {LATER_TAIL} "
                      f"tokens under a budget of {PREFIX_BUDGET})")
+        # two equal prompts in one call, one params object: two requests, the second served by the first's full block
+        twins = engine(impl, Run(first.w, [shared[:TWIN_PROMPT]] * 2, [Params(max_tokens=TWIN_MAX)] * 2, first.config))
+        expect_greedy(twins, seed, layout, "two equal prompts in one call")
+        both = 2 * TWIN_MAX
+        expect_count(twins, "tokens_out", lambda got: got == both,
+                     f"{both} sampled tokens: two equal prompts are two requests, {TWIN_MAX} tokens each"
+                     + " (half of it: as if one request had served both prompts)" * (twins.stats.get("tokens_out")
+                                                                                    == TWIN_MAX),
+                     "generate-returns-completions" if twins.stats.get("tokens_out") == TWIN_MAX else
+                     "stats-count-once")
+        expect_count(twins, "cached_tokens", lambda got: got == Config.block_size,
+                     f"{Config.block_size} cached tokens: the second of two equal {TWIN_PROMPT}-token prompts finds the "
+                     f"first's full block, allocated before it in the same step")
 
     with_blame(request, impl, scenario)
 
@@ -755,7 +769,7 @@ SEATS = 2  # the chunked check's max_num_seqs for its three requests: a decode s
 
 def test_chunked_prefill_keeps_the_tokens(request, impl, seed):
     """a token budget of 5 chunks the prompts, a chunk stores its own tokens' keys and values only, and the tokens
-    stay HF's (with 2 seats for 3 requests, which preempt none)"""
+    stay HF's (with 2 seats for 3 requests, which preempt none; and under a budget of 1, one-token chunks)"""
     with_blame(request, impl, lambda impl: expect_chunk_stores_only_its_tokens(impl, seed))
     impl.start_over()  # a failure below replays the engine's calls only
     greedy_against_hf(request, impl, seed, "L2-H2-KVH1-D16", (13, 7, 4), Params(max_tokens=4),
@@ -769,6 +783,9 @@ def test_chunked_prefill_keeps_the_tokens(request, impl, seed):
                       ("prefill_steps", None, "every prefill step p05's rules make on that run, a chunk's included"),
                       ("preemptions", None, f"max_num_seqs {SEATS} leaves one of the three running requests out of "
                        "each decode step, which sends nobody back"))
+    greedy_against_hf(request, impl, seed, ONE_HEAD, (4, 3), Params(max_tokens=2), Config(max_num_batched_tokens=1),
+                      "chunked prefill (budget 1: every chunk one token)",
+                      ("prefill_steps", None, "one per prompt token: a budget of 1 computes one token a step"))
 
 
 def expect_chunk_stores_only_its_tokens(impl, seed: int) -> None:
@@ -1092,6 +1109,10 @@ def test_seeded_requests_do_not_depend_on_the_batch(request, impl, seed):
     # ... and after a call whose rows keep one token (top_k 1) or all: either is sampled, so either draws its noise
     # from the engine's generator, and the requests without a seed asked next draw alike
     top_one = [Run(hot.w, prompts[2:3], [Params(temperature=1.0, top_k=k, max_tokens=3)], Config()) for k in (1, 0)]
+    # ... and behind a greedy request or a sampled one: a sampled step draws one [B, V] noise for all its rows, greedy
+    # rows too, so the row behind gets the same draws either way
+    behind = [Run(hot.w, mixed.prompts, [Params(temperature=t, max_tokens=HOT_TOKENS),
+                                         Params(temperature=HOT, max_tokens=HOT_TOKENS)], Config()) for t in (0, HOT)]
 
     def draws_or_logits(impl) -> tuple[str, str]:
         """When the batch changes a seeded request's tokens, is it the draws or the logits? Greedy, the same
@@ -1173,6 +1194,11 @@ def test_seeded_requests_do_not_depend_on_the_batch(request, impl, seed):
                            f"top_k 1 is sampled like any other (tied top tokens stay, and are drawn between), so its "
                            f"steps draw their noise from the engine's generator; only an all-greedy batch draws none",
                            "seeded-own-generator")
+        greedy_first, sampled_first = (engine(impl, run).outputs[1] for run in behind)
+        if greedy_first != sampled_first:
+            raise Mismatch(f"a request without a seed at temperature {HOT:g} gave {greedy_first} behind a greedy "
+                           f"request and {sampled_first} behind a sampled one: a sampled step draws one [B, V] noise "
+                           f"for all its rows, greedy ones too", "seeded-own-generator")
         again = generate_on(unseeded[1].llm, Run(unseeded[1].w, unseeded[1].prompts, unseeded[1].params,
                                                  unseeded[1].config), list(unseeded[1].params)).outputs
         if again == second:

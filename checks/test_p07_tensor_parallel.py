@@ -544,16 +544,16 @@ def test_model_matches_hf(impl, seed, gen, split, dtype):
                                f"(the RoPE tables too: rope_cos_sin(..., dtype))", "model-forward")
 
 
-# tokens start .. stop - 1 of each call, and whether it asks for all_logits: two prefill chunks (the second wants its
-# last row's logits only, as a chunked prompt's last chunk does), a decode step
-CHUNKED_CALLS = ((0, 5, True), (5, 7, False), (7, 8, True))
+# tokens start .. stop - 1 of each call, and whether it asks for all_logits: two prefill chunks of one length at two
+# offsets (the second wants its last row's logits only, as a chunked prompt's last chunk does), a decode step
+CHUNKED_CALLS = ((0, 4, True), (4, 8, False), (8, 9, True))
 
 
 def test_chunked_calls_with_caches(impl, seed):
     """prefill in two chunks (the second without all_logits: its last row's logits, [1, V]), then a decode step, with
     one KVCache per layer on every rank: HF's logits, and each rank's cache holds HF's keys of its own kv heads"""
     tp, layout = SPLITS["tp2-H8-KVH4"]
-    case = hf_case(seed, layout, torch.float32, 8)
+    case = hf_case(seed, layout, torch.float32, CHUNKED_CALLS[-1][1])
     group = ranks(impl, tp)
     caches = [[group.make_on(r, "KVCache") for _ in case.w.layers] for r in range(tp)]
     shards = [rank_model(case.w, r, tp) for r in range(tp)]

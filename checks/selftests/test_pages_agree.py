@@ -196,10 +196,12 @@ CLAIMS = [
           layouts_and_world_sizes,
           r"(?P<n>\d+ heads and \d+ kv heads over \d+ ranks and for \d+ heads and \d+ kv heads over \d+ and \d+) ranks",
           r"布局有 (?P<n>H \d+、KVH \d+ 切成 \d+ 份，以及 H \d+、KVH \d+ 切成 \d+ 份和 \d+) 份"),
-    Claim("p07_tensor_parallel", "a prompt prefilled in two chunks, then a decode step", "CHUNKED_CALLS",
-          lambda m: len(m.CHUNKED_CALLS) - 1,  # the last call is the decode step
-          r"a prompt prefilled in (?P<n>\w+) chunks and a decode step",
-          r"prompt 分成(?P<n>[一两二三四])个分块 prefill、再 decode"),
+    Claim("p07_tensor_parallel", "a prompt prefilled in two chunks of 4 at positions 0 and 4, then a decode step",
+          "CHUNKED_CALLS",  # the last call is the decode step
+          lambda m: [len(m.CHUNKED_CALLS) - 1, m.CHUNKED_CALLS[0][1], *(start for start, _, _ in m.CHUNKED_CALLS[:-1])],
+          r"a prompt prefilled in (?P<n>\w+) chunks of the same length \((?P<len>\d+) tokens at positions "
+          r"(?P<at>\d+ and \d+):",
+          r"prompt 分成(?P<n>[一两二三四])个等长的分块 prefill（各 (?P<len>\d+) 个 token，分别从位置 (?P<at>\d+ 和 \d+) 开始"),
     Claim("p07_tensor_parallel", "the 8 greedy tokens", "GREEDY_TOKENS", lambda m: m.GREEDY_TOKENS,
           r"the (?P<n>\d+) greedy tokens of", r"贪心生成的 (?P<n>\d+) 个 token"),
     Claim("p07_tensor_parallel", "greedy generation on 2 ranks", "GREEDY_RANKS", lambda m: m.GREEDY_RANKS,
