@@ -552,8 +552,14 @@ class Driver:
 
     def name_of(self, remote, where: str) -> str:
         name = self.names.get(id(remote)) if isinstance(remote, Remote) else None
-        if name is None:
-            self.fail(f"{where} holds {self.shown(remote)}, which is not one of the requests add() returned", "-")
+        if name is None:  # no mistake is named from it: a replay cannot tell one foreign object from another
+            preempted = "waiting" in where and self.facts.preempted
+            raise LearnerError(f"{where} holds {self.shown(remote)}, which is not one of the requests add() "
+                               f"returned: keep the Request objects add() made and move those, never copies or new "
+                               f"ones (their caller holds them)" + (
+                                   f"; {ids(sorted(self.facts.preempted))} preempted in this step: preempt resets "
+                                   f"the request itself and puts it back on the left of waiting" if preempted else "")
+                               + steps_so_far(self.history), rule="preempt-resets" if preempted else "-")
         return name
 
     def read(self, remote, field: str, name: str):
@@ -707,6 +713,9 @@ class Driver:
                     self.fail(f"{where}: {name}'s block table {seen.table} holds {block}, which is not a block",
                               "blocks-accounted")
                 owners.setdefault(block, []).append((name, j))
+        # a preemption whose only miscounted blocks are still held by others gave back its own but not its share
+        miscounted = [block for block in range(n) if refs[block] != len(owners.get(block, []))]
+        shares_kept = bool(self.facts.preempted) and all(block in owners for block in miscounted)
         for block in range(n):
             holders = ids(name for name, _ in owners.get(block, []))
             if block in free and block in owners:
@@ -716,8 +725,10 @@ class Driver:
                 held = len(owners.get(block, []))
                 by = f"the block tables of {count(held, 'waiting or running request')} hold it: {holders}" if held \
                     else "no waiting or running request's block table holds it"
-                self.fail(f"{where}: block_manager.blocks[{block}].ref_count is {refs[block]}, but {by}",
-                          "preempt-resets" if self.facts.preempted else "blocks-accounted")
+                self.fail(f"{where}: block_manager.blocks[{block}].ref_count is {refs[block]}, but {by}" + (
+                    f" ({ids(sorted(self.facts.preempted))} preempted in this step: BlockManager.free lowers a shared "
+                    f"block's ref_count by one for each request that lets it go)" if shares_kept else ""),
+                          "blocks-accounted" if shares_kept or not self.facts.preempted else "preempt-resets")
         for block, holders in owners.items():
             twice = len({name for name, _ in holders}) < len(holders)
             if twice and {name for name, _ in holders} & self.holding:
@@ -1449,7 +1460,7 @@ def test_a_finished_request_gives_its_blocks_back(impl):
 
 def test_add_refuses_what_the_cache_cannot_hold(impl):
     """add refuses a request the whole cache could never hold, max_tokens 0 or -1 and an empty prompt, and accepts
-    one that fits exactly, and one whose id a waiting request has"""
+    one that fits exactly, and one whose id a waiting request has (each served as a request of its own)"""
     d = Driver(impl, 3, 2, 4, 16)
     d.add(0, [1, 2, 3, 4, 5, 6, 7], 1)  # 4 blocks for the prompt alone: refused
     d.add(1, [1, 2], 6)  # 2 + 6 - 1 tokens need 4 blocks: refused
@@ -1471,6 +1482,23 @@ def test_add_refuses_what_the_cache_cannot_hold(impl):
                            "max_tokens below 1")
         said.rule, said.identifiable = "add-refuses", True
         raise said from None
+    expect_twins_kept_apart(impl)
+
+
+def expect_twins_kept_apart(impl) -> None:
+    """Two requests of one id: both are served, and the one that finishes first leaves running alone."""
+    scheduler = impl.Scheduler(8, 2, 4, 16)
+    first, second = scheduler.add(7, [1, 2, 3], 2), scheduler.add(7, [4, 5, 6], 3)
+    for step, tokens in ((1, [9, 9]), (2, [9, 9])):  # prefill [A 3, B 3]; decode [A 1, B 1]: A has its 2 tokens
+        batch, _ = scheduler.schedule()
+        scheduler.postprocess(batch, tokens[: len(batch)])
+    running = list(scheduler.running)
+    if len(running) != 1 or running[0] is not second:
+        shown = ["the first" if r is first else "the second" if r is second else "another" for r in running]
+        raise Mismatch(f"two requests with the id 7 (prompts [1, 2, 3] max 2 and [4, 5, 6] max 3): after step 2, "
+                       f"where the first finished, running holds {shown or 'none'}, expected the second: postprocess "
+                       f"takes the finished request itself out of running (running.remove(request)), not every "
+                       f"request with its id (the ids are the caller's)", "running-in-start-order")
 
 
 def idle_step(d: "Driver", when: str) -> None:

@@ -84,6 +84,9 @@ RULE_OF = {
     "test_two_ranks_give_the_tokens_of_one": "ranks-agree",
 }
 UNNAMED = {"test_first_token_follows_the_distribution", "test_engine_loads_a_local_checkpoint_folder"}
+# generate refusing a call the checks serve (every prompt of it fits the cache and max_model_len alone) breaks the
+# refusal's own rule, whatever else the check stands for
+REASON_RULES = {r"^`LLM\.generate` raised ValueError": "refuses-over-max-model-len"}
 # Checks that name only some mistakes: the engine on two ranks is replayed for the mistakes of its
 # tensor-parallel branch alone (every other one is named by a check on one rank).
 NAMED_BY = {"test_two_ranks_give_the_tokens_of_one": lambda mistake_id: mistake_id.startswith("tp-"),
@@ -446,7 +449,8 @@ def exactly_p_row(gen: torch.Generator, V: int) -> torch.Tensor:
 
 
 def test_probabilities_masks_are_exact(impl, gen):
-    """probabilities keeps exactly the tokens top-k and top-p keep, renormalised; temperature 0 is one-hot"""
+    """probabilities keeps exactly the tokens top-k and top-p keep, renormalised; temperature 0 is one-hot, and a
+    tiny temperature is not"""
     logits, temperature, top_k, top_p = sampler_case(gen)
     try:
         got = impl.probabilities(logits.clone(), temperature.clone(), top_k.clone(), top_p.clone())
@@ -481,6 +485,7 @@ def test_probabilities_masks_are_exact(impl, gen):
     rows = (logits[:2].clone(), torch.tensor([0.7, 1.3]), torch.tensor([1, 0]), torch.ones(2))
     got = impl.probabilities(*(t.clone() for t in rows))
     expect_kept(got, expected_probabilities(*rows), *rows, "in a batch of 2 whose only mask is a top_k of 1, ")
+    expect_tiny_temperature_splits_a_tie(impl, logits[1])
     # bfloat16 logits at temperature 1 in every row: nothing to divide, and the distribution is float32 all the same
     rows = (logits[:2].bfloat16(), torch.ones(2), torch.zeros(2, dtype=torch.long), torch.ones(2))
     got = impl.probabilities(*(t.clone() for t in rows))
@@ -488,6 +493,35 @@ def test_probabilities_masks_are_exact(impl, gen):
         raise Mismatch(f"probabilities of bfloat16 logits with every row at temperature 1 returned {got.dtype}, "
                        f"expected torch.float32: the cast to float32 does not depend on the temperatures (a division "
                        f"by 1 may be skipped, the cast may not)", "probabilities-by-definition")
+
+
+TINY_TEMPERATURE = 1e-6  # a sampled row all but greedy: its logits / t pass exp's float32 range by far
+
+
+def expect_tiny_temperature_splits_a_tie(impl, row: torch.Tensor) -> None:
+    """A row at a tiny temperature, its two largest logits tied: half each. Only temperature 0 is greedy, and the
+    softmax of logits / t stays finite only with the row's largest subtracted first (as torch.softmax does)."""
+    tied = row.clone()[None]
+    tied[0, TIED_AT_THE_TOP] = row.max() + 1
+    args = (tied, torch.tensor([TINY_TEMPERATURE]), torch.zeros(1, dtype=torch.int64), torch.ones(1))
+    expected = expected_probabilities(*args)
+    what = f"a row at temperature {TINY_TEMPERATURE:g} whose two largest logits tie (tokens {list(TIED_AT_THE_TOP)})"
+    try:
+        got = impl.probabilities(*(t.clone() for t in args))
+    except LearnerError as error:
+        if "NaN" not in str(error):
+            raise
+        raise LearnerError(f"{error} · {what}: logits / {TINY_TEMPERATURE:g} pass float32's exp range, so a softmax "
+                           f"computed as exp(x) / sum(exp(x)) gives inf / inf; subtract the row's largest first "
+                           f"(torch.softmax does)", error.identifiable, rule="probabilities-by-definition") from None
+    if not torch.allclose(got.double(), expected, atol=1e-6):
+        kept = (got[0] > 0).nonzero().flatten().tolist()
+        raise Mismatch(f"{what} gives {got[0][kept].tolist()} at tokens {kept}, expected 0.5 each: only temperature 0 "
+                       f"is greedy; any other temperature divides the logits, and logits tied stay tied",
+                       "temperature-divides")
+
+
+TIED_AT_THE_TOP = (4, 9)
 
 
 def expect_kept(got, expected, logits, temperature, top_k, top_p, batch: str = "", impl=None) -> None:
@@ -833,6 +867,31 @@ def expect_chunk_stores_only_its_tokens(impl, seed: int) -> None:
                            f"{name} slots of tokens [{shown}]: a chunk computes and stores its own tokens only; the "
                            f"{start} before it are in the cache already (num_computed_tokens, not num_cached_tokens, "
                            f"is what p01's Sequence takes as cached)")
+    expect_middle_chunk_logits(impl, seed, layout, prompt, config)
+
+
+def expect_middle_chunk_logits(impl, seed: int, layout: str, prompt: list[int], config: Config) -> None:
+    """The same prompt's first two chunks, both computed by one ModelRunner: the second, neither the first chunk nor
+    the last, attends over the keys up to its own end, so its last token's logits are HF's at that position."""
+    scheduler = impl.Scheduler(config.num_blocks, config.block_size, config.max_num_seqs, config.max_num_batched_tokens,
+                               config.eos_token_id)
+    scheduler.add(0, list(prompt), 4, True)
+    runner = impl.ModelRunner(on_device(weights(seed, layout)), config.num_blocks, config.block_size,
+                              config.max_num_seqs, config.max_model_len, False)
+    for _ in range(2):
+        batch, _ = scheduler.schedule()
+        logits = runner.prefill(batch)
+        scheduler.postprocess(batch, [-1])
+    end = 2 * CHUNK_BUDGET  # the second chunk's last token is token end - 1
+    with torch.no_grad():
+        want = hf64(seed, layout)(torch.tensor([prompt[:end]]), use_cache=False).logits[0, -1]
+    off = float((logits[0].double().cpu() - want).abs().max())
+    if off > NEAR_TIE:
+        raise Mismatch(f"ModelRunner.prefill of a prompt's second chunk (tokens {CHUNK_BUDGET}..{end - 1}, the first "
+                       f"in the cache, 3 tokens still to come) gave token {end - 1}'s logits off from HF's by {off:.3f} "
+                       f"(float16 stays within {NEAR_TIE}): a chunk attends over the keys up to its own end "
+                       f"(num_computed_tokens + num_scheduled_tokens), never the request's whole length",
+                       "runner-computes-the-model")
 
 
 def steps_counted(llm) -> int:
@@ -1109,6 +1168,8 @@ def test_seeded_requests_do_not_depend_on_the_batch(request, impl, seed):
     # ... and after a call whose rows keep one token (top_k 1) or all: either is sampled, so either draws its noise
     # from the engine's generator, and the requests without a seed asked next draw alike
     top_one = [Run(hot.w, prompts[2:3], [Params(temperature=1.0, top_k=k, max_tokens=3)], Config()) for k in (1, 0)]
+    # ... and after an all-greedy call, which draws no noise: they draw what they draw in a new engine
+    all_greedy = Run(hot.w, prompts[2:3], [Params(max_tokens=3)], Config())
     # ... and behind a greedy request or a sampled one: a sampled step draws one [B, V] noise for all its rows, greedy
     # rows too, so the row behind gets the same draws either way
     behind = [Run(hot.w, mixed.prompts, [Params(temperature=t, max_tokens=HOT_TOKENS),
@@ -1194,6 +1255,13 @@ def test_seeded_requests_do_not_depend_on_the_batch(request, impl, seed):
                            f"top_k 1 is sampled like any other (tied top tokens stay, and are drawn between), so its "
                            f"steps draw their noise from the engine's generator; only an all-greedy batch draws none",
                            "seeded-own-generator")
+        after_greedy = generate_on(engine(impl, all_greedy).llm, Run(hot.w, unseeded_alone.prompts,
+                                   unseeded_alone.params, all_greedy.config), list(unseeded_alone.params)).outputs
+        if after_greedy != unseeded_alone.outputs:
+            raise Mismatch(f"a request without a seed at temperature {HOT:g} gave {after_greedy[0]} after an all-greedy "
+                           f"call and {unseeded_alone.outputs[0]} in a new engine: a step whose rows are all greedy "
+                           f"takes the argmax and draws no noise, so the engine's generator stays where it was",
+                           "sampled-by-its-params")
         greedy_first, sampled_first = (engine(impl, run).outputs[1] for run in behind)
         if greedy_first != sampled_first:
             raise Mismatch(f"a request without a seed at temperature {HOT:g} gave {greedy_first} behind a greedy "

@@ -220,7 +220,11 @@ def expect_shard(got, expected: RankLayer, rank: int, tp: int) -> None:
             if not isinstance(mine, torch.Tensor) or tuple(mine.shape) != tuple(want.shape):
                 shape = tuple(mine.shape) if isinstance(mine, torch.Tensor) else type(mine).__name__
                 raise Mismatch(f"rank {rank} of {tp}: `{name}` has shape {shape}, expected {tuple(want.shape)}")
-            if mine.dtype != want.dtype or not torch.equal(mine, want):
+            if mine.dtype != want.dtype:
+                raise Mismatch(f"rank {rank} of {tp}: `{name}` has dtype {str(mine.dtype).removeprefix('torch.')}, "
+                               f"expected {str(want.dtype).removeprefix('torch.')}: a shard keeps its layer's dtype (a "
+                               f"buffer made with torch.empty or torch.zeros takes the default, float32, unless told)")
+            if not torch.equal(mine, want):
                 raise Mismatch(f"rank {rank} of {tp}: `{name}` holds other values than {shard_words(name)}")
         elif mine != want or type(mine) is not type(want):  # 2.0 heads equal 2, but split no tensor
             raise Mismatch(f"rank {rank} of {tp}: `{name}` is {mine!r}, expected {want!r}" + (
@@ -377,10 +381,12 @@ def expect_value_error(call, what: str) -> None:
 @pytest.mark.parametrize("tp", LAYER_WORLD_SIZES, ids=RANK_IDS)
 def test_shard_layer_matches_the_definition(impl, gen, tp):
     """shard_layer gives every rank its q, k and v heads, its gate and up features, its o_proj and down_proj
-    columns, the shared norms and its own head counts"""
+    columns, the shared norms and its own head counts, in the layer's dtype (bfloat16 too)"""
     layer = random_weights(gen, "H8-KVH4").layers[0]
     for rank in range(tp):
         expect_shard(impl.shard_layer(layer, rank, tp), rank_layer(layer, rank, tp), rank, tp)
+    half = random_weights(gen, "H8-KVH4").to(torch.bfloat16).layers[0]  # a bfloat16 layer: shards of its dtype
+    expect_shard(impl.shard_layer(half, 0, tp), rank_layer(half, 0, tp), 0, tp)
 
 
 def test_shard_layer_refuses_kv_heads_that_do_not_divide(impl, gen):
@@ -618,7 +624,7 @@ def greedy_case(seed: int) -> tuple[ModelCase, torch.Tensor]:
 
 def test_greedy_matches_hf_generate(impl, seed):
     """tp_generate_greedy on 2 ranks: every rank returns HF generate's 8 greedy tokens, each token it feeds back
-    broadcast from rank 0"""
+    broadcast from rank 0 as int64"""
     case, expected = greedy_case(seed)
     tp = GREEDY_RANKS
     group = ranks(impl, tp)
@@ -657,6 +663,12 @@ def test_greedy_matches_hf_generate(impl, seed):
                            f"{int(expected[step])} (HF: {expected.tolist()}){hint}")
     for rank, made in enumerate(group.shapes):  # right tokens, and each one fed back came from rank 0 by a broadcast
         names = [name for name, _ in made]
+        floats = sorted({str(dtype).removeprefix("torch.") for (name, _), dtype in zip(made, group.dtypes[rank])
+                         if name == "broadcast" and dtype is not None and dtype.is_floating_point})
+        if floats:
+            raise LearnerError(f"rank {rank} broadcast the tokens it feeds back as {', '.join(floats)}: a token id is "
+                               f"an integer, broadcast as int64 (bfloat16 holds ids exactly only up to 256, float16 "
+                               f"up to 2048: a bfloat16 model's id 562 would arrive as 560)", rule="greedy-broadcasts")
         if names.count("broadcast") < GREEDY_TOKENS - 1:
             others = count_words([n for n in names if n not in ("all_reduce", "gather", "all_gather")])
             raise LearnerError(f"rank {rank} made {names.count('broadcast')} broadcast calls in tp_generate_greedy "

@@ -533,7 +533,8 @@ class LLM:
 
         Only a request whose prompt is complete after this step gets a draw (a chunk's token is thrown
         away by `postprocess`, so it takes nothing from the request's generator: a seeded request
-        gives the same tokens however its prompt is chunked or batched)."""
+        gives the same tokens however its prompt is chunked or batched). A step whose rows are all
+        greedy takes the argmax and draws no noise."""
         raise NotImplementedError("LLM.step (mine/p06_engine.py) is not written yet")
 
     @staticmethod

@@ -700,7 +700,8 @@ class LLM:
 
         Only a request whose prompt is complete after this step gets a draw (a chunk's token is thrown
         away by `postprocess`, so it takes nothing from the request's generator: a seeded request
-        gives the same tokens however its prompt is chunked or batched)."""
+        gives the same tokens however its prompt is chunked or batched). A step whose rows are all
+        greedy takes the argmax and draws no noise."""
         running_before = {id(r) for r in self.scheduler.running}
         requests, is_prefill = self.scheduler.schedule()
         self.stats["preemptions"] += sum(id(r) in running_before for r in self.scheduler.waiting)

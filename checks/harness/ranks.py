@@ -70,6 +70,7 @@ class Ranks:
         # (name, shape of the tensor it was given, or None) of each collective rank r made in the last call, as it
         # reached this process
         self.shapes: list[list[tuple]] = [[] for _ in range(world_size)]
+        self.dtypes: list[list] = [[] for _ in range(world_size)]  # the dtype of each of those tensors, or None
         self.failed_at: list[float | None] = [None] * world_size  # when each rank's call failed, in the last call
         self.rendezvous = Rendezvous(world_size)
         for rank, run in enumerate(self.runs):
@@ -124,6 +125,7 @@ class Ranks:
     def _meet(self, rank: int, name: str, part, deadline: float):
         tensor = part.get("tensor") if isinstance(part, dict) else None
         self.shapes[rank].append((name, tuple(tensor.shape) if isinstance(tensor, torch.Tensor) else None))
+        self.dtypes[rank].append(tensor.dtype if isinstance(tensor, torch.Tensor) else None)
         return self.rendezvous.meet(rank, name, part, deadline)
 
     # ---- running on every rank ----
@@ -135,6 +137,7 @@ class Ranks:
             run.session.notes.clear()
         self.rendezvous = Rendezvous(self.world_size)
         self.shapes = [[] for _ in range(self.world_size)]
+        self.dtypes = [[] for _ in range(self.world_size)]
         self.failed_at = [None] * self.world_size
         futures = [self.pool.submit(self._timed, rank, job) for rank, job in enumerate(jobs)]
         done, pending = wait(futures, return_when=FIRST_EXCEPTION)
