@@ -25,6 +25,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from hypothesis import strategies as st
 
 from checks.harness.cases import checkpoint_folder
 from checks.harness.compare import Mismatch, expect_close, tolerance
@@ -32,6 +33,7 @@ from checks.harness.guard import Guarded, LearnerError, NotStarted, Returns
 from checks.harness.interpreter import DEVICE, verified_on  # noqa: F401 - verified_on: the report
 from checks.harness.loader import ROOT, Implementation
 from checks.harness.oracles import ModelWeights, hf_causal_lm, hf_greedy
+from checks.harness.properties import explore
 from checks.harness.toys import load_toy
 
 pytestmark = pytest.mark.p06
@@ -56,6 +58,7 @@ POINTS = {
     "test_decode_graph_pads_without_storing": 2,
     "test_generate_refuses_a_request_longer_than_max_model_len": 1,
     "test_two_ranks_give_the_tokens_of_one": 4,
+    "test_random_engine_runs_keep_the_tokens_and_the_counts": 3,
 }
 CONTRACTS = {
     "probabilities": lambda logits, temperature, top_k, top_p: Returns(
@@ -82,6 +85,7 @@ RULE_OF = {
     "test_stops_at_eos_unless_ignored": "eos-unless-ignored",
     "test_seeded_requests_do_not_depend_on_the_batch": "seeded-own-generator",
     "test_two_ranks_give_the_tokens_of_one": "ranks-agree",
+    "test_random_engine_runs_keep_the_tokens_and_the_counts": "runner-computes-the-model",
 }
 UNNAMED = {"test_first_token_follows_the_distribution", "test_engine_loads_a_local_checkpoint_folder"}
 # generate refusing a call the checks serve (every prompt of it fits the cache and max_model_len alone) breaks the
@@ -784,17 +788,18 @@ def contract_counts(run: Run) -> dict:
     model.cache.allocate = allocate_and_count
     requests = [model.add(i, list(prompt), p.max_tokens, p.ignore_eos) for i, (prompt, p) in
                 enumerate(zip(run.prompts, params))]
-    chunked = prefills = 0
+    chunked = prefills = steps = 0
     for _ in range(10_000):  # every step computes at least one token: far more steps than the run can take
         if model.finished():
             break
         batch, is_prefill = model.schedule()
         prefills += is_prefill
+        steps += 1
         chunked += is_prefill and any(r.computed + r.scheduled < len(r.tokens) for r in batch)
         model.postprocess(batch, [run.outputs[requests.index(r)][len(r.tokens) - r.prompt_len]
                                   if r.computed + r.scheduled == len(r.tokens) else -1 for r in batch])
     return {"preemptions": len(preempted), "chunked_prefills": chunked, "cached_tokens": sum(cached),
-            "prefill_steps": prefills}
+            "prefill_steps": prefills, "decode_steps": steps - prefills}
 
 
 CHUNK_BUDGET = 5  # the token budget that chunks the prompts of 13, 7 and 4 tokens
@@ -820,6 +825,51 @@ def test_chunked_prefill_keeps_the_tokens(request, impl, seed):
     greedy_against_hf(request, impl, seed, ONE_HEAD, (4, 3), Params(max_tokens=2), Config(max_num_batched_tokens=1),
                       "chunked prefill (budget 1: every chunk one token)",
                       ("prefill_steps", None, "one per prompt token: a budget of 1 computes one token a step"))
+
+
+RANDOM_RUNS = 4  # the random engine runs one check plays (one more for each shrinking step when one fails)
+
+
+def engine_runs():
+    """1-4 greedy requests over the tokens {1, 2} (shared prefixes and equal prompts are common), each 1-9 tokens with
+    max_tokens 1-4, on a cache of 3-8 blocks of 4 (each request fits it alone), a token budget of 1-12, 1-3 seats."""
+    request = st.tuples(st.lists(st.integers(1, 2), min_size=1, max_size=9), st.integers(1, 4))
+    return st.tuples(st.lists(request, min_size=1, max_size=4), st.integers(3, 8), st.integers(1, 12),
+                     st.integers(1, 3))
+
+
+def play_engine_run(impl, seed: int, example) -> None:
+    """One random run: HF's greedy tokens, and every counter as p05's rules make it on that run."""
+    requests, blocks, budget, seats = example
+    sizes = {n for _, n in requests}
+    shared = Params(max_tokens=requests[0][1])  # one object for all when their max_tokens agree (generate takes it)
+    params = [shared] * len(requests) if len(sizes) == 1 else [Params(max_tokens=n) for _, n in requests]
+    run = Run(weights(seed, ONE_HEAD), [list(p) for p, _ in requests], params,
+              Config(num_blocks=blocks, max_num_batched_tokens=budget, max_num_seqs=seats))
+    what = (f"random run ({counted(len(requests), 'prompt')} {[list(p) for p, _ in requests]}, max_tokens "
+            f"{[n for _, n in requests]}, {blocks} blocks of 4, budget {budget}, {counted(seats, 'seat')})")
+    expect_greedy(engine(impl, run), seed, ONE_HEAD, what)
+    expect_count(run, "tokens_out", lambda n: n == sum(p.max_tokens for p in params),
+                 f"{sum(p.max_tokens for p in params)}, every request's max_tokens: {what}")
+    for name in ("prefill_steps", "decode_steps", "chunked_prefills", "preemptions", "cached_tokens"):
+        expect_count(run, name, None, f"as p05's rules make them on the {what}")
+
+
+def test_random_engine_runs_keep_the_tokens_and_the_counts(request, impl, seed):
+    """random greedy runs (shared prefixes, equal prompts, budgets down to 1 token, small caches, few seats) give HF's
+    tokens, and every counter in stats as p05's rules make it"""
+    played = []
+
+    def play(example):
+        played[:] = [example]
+        play_engine_run(impl, seed, example)
+
+    try:
+        explore(impl, seed, engine_runs(), play, RANDOM_RUNS, "requests", "engine")
+    except Mismatch as failure:  # which module's reference fixes the run that failed (not the whole exploration)
+        found = blame(request, impl, lambda other: play_engine_run(other, seed, played[0])) if played else ""
+        elsewhere = found.startswith("it passes with the reference")
+        raise Mismatch(f"{failure} · {found}" if found else str(failure), "-" if elsewhere else failure.rule) from None
 
 
 def expect_chunk_stores_only_its_tokens(impl, seed: int) -> None:
