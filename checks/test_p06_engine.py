@@ -735,8 +735,8 @@ def test_prefix_hits_are_served_and_counted(request, impl, seed):
                      "generate-returns-completions" if twins.stats.get("tokens_out") == TWIN_MAX else
                      "stats-count-once")
         expect_count(twins, "cached_tokens", lambda got: got == Config.block_size,
-                     f"{Config.block_size} cached tokens: the second of two equal {TWIN_PROMPT}-token prompts finds the "
-                     f"first's full block, allocated before it in the same step")
+                     f"{Config.block_size} cached tokens: the second of two equal {TWIN_PROMPT}-token prompts finds "
+                     f"the first's full block, allocated before it in the same step")
 
     with_blame(request, impl, scenario)
 
@@ -937,8 +937,9 @@ def expect_middle_chunk_logits(impl, seed: int, layout: str, prompt: list[int], 
         want = hf64(seed, layout)(torch.tensor([prompt[:end]]), use_cache=False).logits[0, -1]
     off = float((logits[0].double().cpu() - want).abs().max())
     if off > NEAR_TIE:
-        raise Mismatch(f"ModelRunner.prefill of a prompt's second chunk (tokens {CHUNK_BUDGET}..{end - 1}, the first "
-                       f"in the cache, 3 tokens still to come) gave token {end - 1}'s logits off from HF's by {off:.3f} "
+        raise Mismatch(f"ModelRunner.prefill of a prompt's second chunk (tokens {CHUNK_BUDGET}..{end - 1}, the "
+                       f"first in the cache, 3 tokens still to come) gave token {end - 1}'s logits off from HF's by "
+                       f"{off:.3f} "
                        f"(float16 stays within {NEAR_TIE}): a chunk attends over the keys up to its own end "
                        f"(num_computed_tokens + num_scheduled_tokens), never the request's whole length",
                        "runner-computes-the-model")
@@ -1308,9 +1309,9 @@ def test_seeded_requests_do_not_depend_on_the_batch(request, impl, seed):
         after_greedy = generate_on(engine(impl, all_greedy).llm, Run(hot.w, unseeded_alone.prompts,
                                    unseeded_alone.params, all_greedy.config), list(unseeded_alone.params)).outputs
         if after_greedy != unseeded_alone.outputs:
-            raise Mismatch(f"a request without a seed at temperature {HOT:g} gave {after_greedy[0]} after an all-greedy "
-                           f"call and {unseeded_alone.outputs[0]} in a new engine: a step whose rows are all greedy "
-                           f"takes the argmax and draws no noise, so the engine's generator stays where it was",
+            raise Mismatch(f"a request without a seed at temperature {HOT:g} gave {after_greedy[0]} after an "
+                           f"all-greedy call and {unseeded_alone.outputs[0]} in a new engine: a step whose rows are "
+                           f"all greedy takes the argmax and draws no noise, so the engine's generator stays put",
                            "sampled-by-its-params")
         greedy_first, sampled_first = (engine(impl, run).outputs[1] for run in behind)
         if greedy_first != sampled_first:

@@ -201,7 +201,8 @@ CLAIMS = [
           lambda m: [len(m.CHUNKED_CALLS) - 1, m.CHUNKED_CALLS[0][1], *(start for start, _, _ in m.CHUNKED_CALLS[:-1])],
           r"a prompt prefilled in (?P<n>\w+) chunks of the same length \((?P<len>\d+) tokens at positions "
           r"(?P<at>\d+ and \d+):",
-          r"prompt 分成(?P<n>[一两二三四])个等长的分块 prefill（各 (?P<len>\d+) 个 token，分别从位置 (?P<at>\d+ 和 \d+) 开始"),
+          r"prompt 分成(?P<n>[一两二三四])个等长的分块 prefill（各 (?P<len>\d+) 个 token，"
+          r"分别从位置 (?P<at>\d+ 和 \d+) 开始"),
     Claim("p07_tensor_parallel", "the 8 greedy tokens", "GREEDY_TOKENS", lambda m: m.GREEDY_TOKENS,
           r"the (?P<n>\d+) greedy tokens of", r"贪心生成的 (?P<n>\d+) 个 token"),
     Claim("p07_tensor_parallel", "greedy generation on 2 ranks", "GREEDY_RANKS", lambda m: m.GREEDY_RANKS,
