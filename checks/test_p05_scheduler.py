@@ -1486,7 +1486,18 @@ def test_add_refuses_what_the_cache_cannot_hold(impl):
 
 
 def expect_twins_kept_apart(impl) -> None:
-    """Two requests of one id: both are served, and the one that finishes first leaves running alone."""
+    """Two requests of one id: both are served, the one that finishes first leaves running alone, and two that
+    finish in one step are both returned."""
+    scheduler = impl.Scheduler(8, 2, 4, 16)
+    pair = scheduler.add(5, [1, 2], 1), scheduler.add(5, [3, 4], 1)
+    batch, _ = scheduler.schedule()  # prefill [A 2, B 2]: both finish on their one token
+    finished = list(scheduler.postprocess(batch, [9] * len(batch)))
+    if len(finished) != 2 or any(a is not b for a, b in zip(finished, pair)):
+        shown = ["the first" if r is pair[0] else "the second" if r is pair[1] else "another" for r in finished]
+        raise Mismatch(f"two requests with the id 5 (prompts [1, 2] and [3, 4], max_tokens 1) finished in one step, "
+                       f"and postprocess returned {shown or 'none'}, expected both in batch order: it returns every "
+                       f"request that finished, each one object, whatever their ids (the ids are the caller's)",
+                       "finished-leaves")
     scheduler = impl.Scheduler(8, 2, 4, 16)
     first, second = scheduler.add(7, [1, 2, 3], 2), scheduler.add(7, [4, 5, 6], 3)
     for step, tokens in ((1, [9, 9]), (2, [9, 9])):  # prefill [A 3, B 3]; decode [A 1, B 1]: A has its 2 tokens

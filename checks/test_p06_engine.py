@@ -734,6 +734,12 @@ def test_prefix_hits_are_served_and_counted(request, impl, seed):
                                                                                     == TWIN_MAX),
                      "generate-returns-completions" if twins.stats.get("tokens_out") == TWIN_MAX else
                      "stats-count-once")
+        # ... then, on that engine, a prompt with that cached block before a fresh one, in one prefill step: each row
+        # of the logits is its own request's, whichever attention serves it (paged for the first, flash for the other)
+        after = Run(first.w, [shared[:TWIN_PROMPT] + tails[0][:2], tails[1]], [Params(max_tokens=2)] * 2,
+                    first.config)
+        expect_greedy(generate_on(twins.llm, after, after.params[0]), seed, layout,
+                      "a prompt with a cached block, then a fresh one, in one step")
         expect_count(twins, "cached_tokens", lambda got: got == Config.block_size,
                      f"{Config.block_size} cached tokens: the second of two equal {TWIN_PROMPT}-token prompts finds "
                      f"the first's full block, allocated before it in the same step")
@@ -1219,8 +1225,11 @@ def test_seeded_requests_do_not_depend_on_the_batch(request, impl, seed):
     # ... and after a call whose rows keep one token (top_k 1) or all: either is sampled, so either draws its noise
     # from the engine's generator, and the requests without a seed asked next draw alike
     top_one = [Run(hot.w, prompts[2:3], [Params(temperature=1.0, top_k=k, max_tokens=3)], Config()) for k in (1, 0)]
-    # ... and after an all-greedy call, which draws no noise: they draw what they draw in a new engine
+    # ... and after an all-greedy call, which draws no noise: they draw what they draw in a new engine; and so they
+    # do with one seat beside a greedy request, whose steps draw nothing while they wait
     all_greedy = Run(hot.w, prompts[2:3], [Params(max_tokens=3)], Config())
+    one_seat = Run(hot.w, prompts[2:3] + unseeded_alone.prompts, [Params(max_tokens=3), *unseeded_alone.params],
+                   Config(max_num_seqs=1))
     # ... and behind a greedy request or a sampled one: a sampled step draws one [B, V] noise for all its rows, greedy
     # rows too, so the row behind gets the same draws either way
     behind = [Run(hot.w, mixed.prompts, [Params(temperature=t, max_tokens=HOT_TOKENS),
@@ -1313,6 +1322,11 @@ def test_seeded_requests_do_not_depend_on_the_batch(request, impl, seed):
                            f"all-greedy call and {unseeded_alone.outputs[0]} in a new engine: a step whose rows are "
                            f"all greedy takes the argmax and draws no noise, so the engine's generator stays put",
                            "sampled-by-its-params")
+        if engine(impl, one_seat).outputs[1] != unseeded_alone.outputs[0]:
+            raise Mismatch(f"a request without a seed at temperature {HOT:g} gave {one_seat.outputs[1]} beside a "
+                           f"greedy request with one seat (max_num_seqs 1) and {unseeded_alone.outputs[0]} alone in a "
+                           f"new engine: a step is all greedy by the rows in its batch, not by the requests waiting, "
+                           f"and draws no noise", "sampled-by-its-params")
         greedy_first, sampled_first = (engine(impl, run).outputs[1] for run in behind)
         if greedy_first != sampled_first:
             raise Mismatch(f"a request without a seed at temperature {HOT:g} gave {greedy_first} behind a greedy "
