@@ -89,8 +89,10 @@ RULE_OF = {
 }
 UNNAMED = {"test_first_token_follows_the_distribution", "test_engine_loads_a_local_checkpoint_folder"}
 # generate refusing a call the checks serve (every prompt of it fits the cache and max_model_len alone) breaks the
-# refusal's own rule, whatever else the check stands for
-REASON_RULES = {r"^`LLM\.generate` raised ValueError": "refuses-over-max-model-len"}
+# refusal's own rule, whatever else the check stands for: a ValueError whose own words are of the refusal's matters
+# (prompts, tokens, lengths, the cache and its blocks); another (a temperature refused) is a plain error
+REASON_RULES = {r"^`LLM\.generate` raised ValueError: [^(]*\b(prompts?|tokens?|len\w*|long\w*|cache|blocks?|"
+                r"max_model_len|max_tokens)\b": "refuses-over-max-model-len"}
 # Checks that name only some mistakes: the engine on two ranks is replayed for the mistakes of its
 # tensor-parallel branch alone (every other one is named by a check on one rank).
 NAMED_BY = {"test_two_ranks_give_the_tokens_of_one": lambda mistake_id: mistake_id.startswith("tp-"),
