@@ -345,6 +345,7 @@ class Driver:
         self.before: dict[str, list[str]] = {"waiting": [], "running": []}  # the queues when the step began
         self.title = ""  # "scenario '...', " for a toy
         self.facts = Facts(True, set(), {}, set(), set())
+        self.cached_at_admission: dict[str, int] = {}  # name -> the num_cached_tokens its last allocate set
 
     # -- what the check does --
     def add(self, request_id: int, prompt, max_tokens: int, ignore_eos: bool = False) -> None:
@@ -461,6 +462,7 @@ class Driver:
                 self.fail(f"{at}: after schedule, {name}'s num_cached_tokens is {found!r}, expected "
                           f"{count(cached, 'cached token')}: allocate sets it to what the prefix cache served, "
                           f"and nothing after it changes it", "cached-prefix-is-computed")
+            self.cached_at_admission[name] = cached
         finished = self.scheduler.postprocess(batch, tokens)
         if not isinstance(finished, list | tuple):
             self.fail(f"{at}: postprocess returned {self.shown(finished)}, expected the list of finished requests", "-")
@@ -478,6 +480,14 @@ class Driver:
             self.fail(f"{at}: postprocess returned the finished requests {ids(finished_names)}, "
                       f"expected {ids(expected_finished)}", self.finished_rule(finished_names, expected_finished))
         self.done |= set(finished_names)
+        for name in names if self.follow_model else ():  # what allocate set stays until free (or allocate) again
+            cached = self.cached_at_admission.get(name) if name not in finished_names else None
+            found = self.read(self.remotes[name], "num_cached_tokens", name) if cached is not None else None
+            if found != cached:
+                self.fail(f"{self.title}after step {k}: {name}'s num_cached_tokens is {found!r}, expected "
+                          f"{count(cached, 'cached token')}, as allocate set it: postprocess grows num_computed_tokens, "
+                          f"never num_cached_tokens (p06 counts a request's cached prefix from it)",
+                          "cached-prefix-is-computed")
         self.check_state(k, finished_names)
         over = self.scheduler.is_finished()
         if over is not self.model.finished():

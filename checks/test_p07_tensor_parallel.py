@@ -88,6 +88,9 @@ REASON_RULES = {
     r"\(called in `tp_generate_greedy`\) is not carried": "greedy-broadcasts",
     r"different collectives at once \((?=[^)]*\bgather\b)(?=[^)]*\bbroadcast\b)": "lm-head-gathered",
     r"in its \w+ gather, a collective the other ranks never made": "lm-head-gathered",
+    # only tp_generate_greedy broadcasts: a rank at a broadcast while another is elsewhere skipped or added one there
+    r"different collectives at once \((?=[^)]*\bbroadcast\b)|in its \w+ broadcast, a collective the other ranks "
+    r"never made": "greedy-broadcasts",
     r"the ranks made different collectives at once|a collective the other ranks never made": "two-all-reduces-a-layer",
 }
 TOY = load_toy("p07_tensor_parallel")
