@@ -485,8 +485,8 @@ class Driver:
             found = self.read(self.remotes[name], "num_cached_tokens", name) if cached is not None else None
             if found != cached:
                 self.fail(f"{self.title}after step {k}: {name}'s num_cached_tokens is {found!r}, expected "
-                          f"{count(cached, 'cached token')}, as allocate set it: postprocess grows num_computed_tokens, "
-                          f"never num_cached_tokens (p06 counts a request's cached prefix from it)",
+                          f"{count(cached, 'cached token')}, as allocate set it: postprocess grows "
+                          f"num_computed_tokens, never num_cached_tokens (p06 counts a request's cached prefix from it)",
                           "cached-prefix-is-computed")
         self.check_state(k, finished_names)
         over = self.scheduler.is_finished()
