@@ -714,6 +714,7 @@ class Driver:
                               f"slot with no other left to preempt preempts itself" if kept else ""),
                           "running-in-start-order" if name in self.before["running"] and queue == "running"
                           else "complete-prompt-runs" if name in self.facts.completed and queue == "running"
+                          else "a-chunk-stays-first" if name in self.facts.chunked and queue == "waiting"
                           else "preempt-the-newest" if kept
                           else "preempted-come-back-first" if name in self.facts.preempted else "waiting-in-order")
         owners: dict[int, list[tuple[str, int]]] = {}
