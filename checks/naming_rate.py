@@ -38,7 +38,8 @@ MISTAKES = KIT / "checks" / "selftests" / "independent"
 FIELDS = set(Result.__dataclass_fields__)
 # what a failing case's reason says when the cause is plain without a catalogue (the report's own wording)
 CAUSES = re.compile(r"returned one of its inputs|raised |did not return within|: shape \[|returned shape |returned a |"
-                    r"returned \w+, expected \w+ \(|was killed by|changed its input|not a Request|"
+                    r"returned \w+, expected \w+ \(|has dtype \w+, expected \w+|was killed by|changed its input|"
+                    r"not a Request|"
                     r"expected a (list|bool|\(requests, is_prefill\) pair)|expected an int|"
                     r"expected the list of finished|not one of the requests add\(\) returned")
 

@@ -226,7 +226,8 @@ def expect_shard(got, expected: RankLayer, rank: int, tp: int) -> None:
             if mine.dtype != want.dtype:
                 raise Mismatch(f"rank {rank} of {tp}: `{name}` has dtype {str(mine.dtype).removeprefix('torch.')}, "
                                f"expected {str(want.dtype).removeprefix('torch.')}: a shard keeps its layer's dtype (a "
-                               f"buffer made with torch.empty or torch.zeros takes the default, float32, unless told)")
+                               f"buffer made with torch.empty or torch.zeros takes the default, float32, unless told)",
+                               "-")  # the dtype says it all: no rule of the module to name besides
             if not torch.equal(mine, want):
                 raise Mismatch(f"rank {rank} of {tp}: `{name}` holds other values than {shard_words(name)}")
         elif mine != want or type(mine) is not type(want):  # 2.0 heads equal 2, but split no tensor

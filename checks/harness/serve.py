@@ -415,6 +415,10 @@ def _carried(worker: Worker, name: str, original):
         elif name == "all_to_all":  # a tensor for each rank, and a tensor to fill from each rank
             part["tensors"] = [t.detach() if isinstance(t, torch.Tensor) else t for t in a["input_tensor_list"]]
             part["outs"] = [_layout(t) for t in a["output_tensor_list"]]
+        refused = _refused(name, a)
+        if refused:  # torch (or its backend) refuses it on this rank before any data moves
+            raise (ValueError if refused.startswith("Argument") or "dtypes" in refused else RuntimeError)(
+                f"torch.distributed.{name}: {refused}")
         result = worker.collective(name, part)
         with torch.no_grad():
             if name in ("all_reduce", "broadcast") or (name == "reduce" and result is not None):
@@ -437,6 +441,37 @@ def _carried(worker: Worker, name: str, original):
     collective.__name__ = collective.__qualname__ = name
     collective.__doc__ = original.__doc__
     return collective
+
+
+def _refused(name: str, a: dict) -> str:
+    """Why torch or any backend refuses a gather's or all_gather's output list on this rank before any data
+    moves, as a real process group would ("" where it accepts it): the list the destination (every rank, for
+    all_gather) fills holds one tensor per rank, each of the input's shape and dtype; other ranks give no list."""
+    import torch.distributed as dist
+
+    if name not in ("gather", "all_gather") or not isinstance(a.get("tensor"), torch.Tensor):
+        return ""
+    tensor, rank, world = a["tensor"], dist.get_rank(), dist.get_world_size()
+    outs = a.get("tensor_list") if name == "all_gather" else a.get("gather_list")
+    if name == "gather":
+        dst = a.get("dst") if a.get("dst") is not None else (a.get("group_dst") or 0)
+        if rank != dst:
+            return "Argument ``gather_list`` must NOT be specified on non-destination ranks." if outs else ""
+        if not outs:
+            return "Argument ``gather_list`` must be specified on destination rank."
+    if not isinstance(outs, (list, tuple)) or not all(isinstance(t, torch.Tensor) for t in outs):
+        return f"rank {rank}'s output list must be a list of tensors"
+    dtypes = sorted({str(t.dtype).removeprefix("torch.") for t in (tensor, *outs)})
+    if len(dtypes) > 1:
+        return f"Invalid usage of tensors with different dtypes ({' and '.join(dtypes)}) on rank {rank}"
+    if len(outs) != world:
+        return (f"rank {rank}'s output list has {len(outs)} tensors; it must have {world}, one per rank of the "
+                f"process group")
+    for i, out in enumerate(outs):
+        if out.shape != tensor.shape:
+            return (f"rank {rank}'s output tensor {i} is {list(out.shape)}, the input {list(tensor.shape)}: each "
+                    f"must have the input's shape")
+    return ""
 
 
 def _sizes(sizes) -> list | None:
