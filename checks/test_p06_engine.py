@@ -1289,6 +1289,12 @@ def test_seeded_requests_do_not_depend_on_the_batch(request, impl, seed):
                            f"was asked again: a request's generator is its own, made when it is added and found by its "
                            f"request id, whatever the engine served before it", "seeded-own-generator")
         engine(impl, mixed)
+        greedy_row = Run(mixed.w, mixed.prompts[:1], mixed.params[:1], mixed.config, mixed.outputs[:1])
+        try:  # ... and the greedy request in front of it stays greedy: its row is one-hot, never drawn at 1
+            expect_greedy(greedy_row, seed, ONE_HEAD, f"a greedy request beside a seeded one at temperature {HOT:g}")
+        except Mismatch as error:
+            raise Mismatch(f"{error}: a row of temperature 0 is one-hot at its argmax, whatever the other rows ask "
+                           f"for", "greedy-one-hot") from None
         if mixed.outputs[1] != tokens:
             raise Mismatch(f"the seeded request at temperature {HOT:g} gave {tokens} alone and {mixed.outputs[1]} "
                            "behind a greedy request: each row samples at its own temperature (all argmax only when "

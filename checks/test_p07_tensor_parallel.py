@@ -626,9 +626,25 @@ def greedy_case(seed: int) -> tuple[ModelCase, torch.Tensor]:
     raise RuntimeError(f"no well-separated greedy case for seed {seed}")
 
 
+SECOND_PROMPT = 4  # tokens of the prompt a second call on the same shards generates from (shorter than the first's)
+
+
+@cache
+def second_greedy_prompt(seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Another prompt for greedy_case's weights whose greedy steps are never near-ties, with HF generate's tokens."""
+    case, _ = greedy_case(seed)
+    gen = torch.Generator().manual_seed(seed)
+    for _ in range(20):
+        prompt = torch.randint(case.w.embed_tokens.shape[0], (SECOND_PROMPT,), generator=gen)
+        tokens, margins = hf_greedy(hf_causal_lm(case.w, torch.float32), prompt, GREEDY_TOKENS)
+        if margins.min() > 1e-4:
+            return prompt, tokens
+    raise RuntimeError(f"no well-separated second greedy prompt for seed {seed}")
+
+
 def test_greedy_matches_hf_generate(impl, seed):
     """tp_generate_greedy on 2 ranks: every rank returns HF generate's 8 greedy tokens, each token it feeds back
-    broadcast from rank 0 as int64"""
+    broadcast from rank 0 as int64, and a second call on the same shards gives another prompt's"""
     case, expected = greedy_case(seed)
     tp = GREEDY_RANKS
     group = ranks(impl, tp)
@@ -679,3 +695,20 @@ def test_greedy_matches_hf_generate(impl, seed):
                                f"(and {others} besides the forwards' all_reduce and gather), expected one per token "
                                f"fed back, {GREEDY_TOKENS - 1} at least: rank 0's argmax reaches every rank by "
                                f"dist.broadcast(token, src=0)", rule="greedy-broadcasts")
+    # ... and twice on shards that live on the ranks (as an engine keeps them), another prompt the second time: each
+    # call generates from caches of its own, empty, whatever an earlier call on those shards left
+    shards = [rank_model(case.w, r, tp) for r in range(tp)]
+    held = [group.make_on(r, "TPWeights", s.embed_tokens, list(s.layers), s.norm, s.eps, s.rope_theta, s.head_dim)
+            for r, s in enumerate(shards)]
+    second, second_expected = second_greedy_prompt(seed)
+    for prompt, want in ((case.prompt, expected), (second, second_expected)):
+        out = group.call("tp_generate_greedy", [(held[r], prompt, GREEDY_TOKENS) for r in range(tp)])
+        for rank, tokens in enumerate(out):
+            if not isinstance(tokens, torch.Tensor) or not torch.equal(tokens, want):
+                got = tokens.tolist() if isinstance(tokens, torch.Tensor) else tokens
+                if prompt is case.prompt:  # (right on shards sent with the call, so their kind is what differs)
+                    raise Mismatch(f"rank {rank}: tp_generate_greedy on shards made on the rank (a TPWeights) gave "
+                                   f"{got}, HF generate {want.tolist()}: read the shards' fields, whatever their class")
+                raise Mismatch(f"rank {rank}: a second call on the same shards (prompt {second.tolist()}) gave {got}, "
+                               f"HF generate {want.tolist()}: each call makes new, empty caches, one per layer (an "
+                               f"earlier call's keys are another prompt's)", "caches-per-layer-and-rank")

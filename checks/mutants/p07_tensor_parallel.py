@@ -308,8 +308,10 @@ RULES = [
          "holds, the final norm, the LM head; without all_logits, only the last position's logits",
          "positions from caches[0]'s length; final_norm before parallel_lm_head; logits[-1:] unless all_logits"),
     Rule("caches-per-layer-and-rank",
-         "every rank keeps one KVCache per layer with its own KVH / tp kv heads, appended chunk by chunk",
-         "make [KVCache() for _ in layers] on every rank and pass caches[i] to layer i"),
+         "every rank keeps one KVCache per layer with its own KVH / tp kv heads, appended chunk by chunk; "
+         "tp_generate_greedy makes new ones, empty, at every call",
+         "make [KVCache() for _ in layers] on every rank (in tp_generate_greedy, at every call, never kept on the "
+         "shards) and pass caches[i] to layer i"),
     Rule("greedy-broadcasts",
          "tp_generate_greedy prefills the prompt into the caches, then feeds one new token per step; rank 0's "
          "argmax is broadcast so every rank feeds the same token, and every rank returns the max_new_tokens tokens",
