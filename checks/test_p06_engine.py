@@ -1267,6 +1267,21 @@ def test_seeded_requests_do_not_depend_on_the_batch(request, impl, seed):
         return (f"; greedy, they give {one.outputs[0]} alone and {many.outputs[0]}, {many.outputs[3]} in that batch: "
                 f"the runner computes them wrongly there (chunks, prefix-cache hits)", "runner-computes-the-model")
 
+    def greedy_row_cause(impl) -> str:
+        """Why the greedy request beside a sampled one lost its tokens: its row's temperature, or the draw? A row at
+        temperature 1 with top_k 1 beside it keeps one token, so a right draw gives it the greedy tokens too."""
+        probe = engine(impl, Run(mixed.w, mixed.prompts[:1] * 2, [Params(max_tokens=HOT_TOKENS),
+                                                                 Params(temperature=1.0, top_k=1,
+                                                                        max_tokens=HOT_TOKENS)], Config()))
+        try:
+            expect_greedy(Run(probe.w, probe.prompts[1:], probe.params[1:], probe.config, probe.outputs[1:]), seed,
+                          ONE_HEAD, "a row at temperature 1 with top_k 1 beside it")
+        except Mismatch as drawn:
+            raise Mismatch(f"{drawn}: a row that keeps one token must draw it, so the draw itself is wrong, not the "
+                           f"greedy row's temperature: each row's token is argmax(probs / noise) of its own row",
+                           "sampled-by-its-params") from None
+        return ": a row of temperature 0 is one-hot at its argmax, whatever the other rows ask for"
+
     def scenario(impl):
         engine(impl, alone)
         impl.fresh_worker()  # the runs compared come from two workers: the lone run's tokens cannot be replayed
@@ -1293,8 +1308,7 @@ def test_seeded_requests_do_not_depend_on_the_batch(request, impl, seed):
         try:  # ... and the greedy request in front of it stays greedy: its row is one-hot, never drawn at 1
             expect_greedy(greedy_row, seed, ONE_HEAD, f"a greedy request beside a seeded one at temperature {HOT:g}")
         except Mismatch as error:
-            raise Mismatch(f"{error}: a row of temperature 0 is one-hot at its argmax, whatever the other rows ask "
-                           f"for", "greedy-one-hot") from None
+            raise Mismatch(f"{error}{greedy_row_cause(impl)}", "greedy-one-hot") from None
         if mixed.outputs[1] != tokens:
             raise Mismatch(f"the seeded request at temperature {HOT:g} gave {tokens} alone and {mixed.outputs[1]} "
                            "behind a greedy request: each row samples at its own temperature (all argmax only when "
