@@ -489,6 +489,16 @@ def test_probabilities_masks_are_exact(impl, gen):
             "probabilities-by-definition"
         hint = " (cast the logits to float32 before dividing by the temperature)" * (rule == "temperature-divides")
         raise Mismatch(f"{failure}{hint}", rule) from None
+    # float64 logits, temperatures and top_p (0.7 as a float64 is not float32's 0.7): cast to float32 first, the
+    # distribution is float32's, and so are the masses top_p is compared with
+    wide = (logits.double(), temperature.double(), top_k, torch.tensor([round(x, 6) for x in top_p.tolist()],
+                                                                       dtype=torch.float64))
+    got = impl.probabilities(*(t.clone() for t in wide))
+    if got.dtype != torch.float32:
+        raise Mismatch(f"probabilities of float64 logits, temperatures and top_p returned {got.dtype}, expected "
+                       f"torch.float32: cast the logits, the temperatures and top_p to float32 first", "-")
+    rows = (logits, temperature, top_k, wide[3].float())
+    expect_kept(got, expected_probabilities(*rows), *rows, "with float64 logits, temperatures and top_p, ")
     # a batch whose only mask is a top_k of 1 (beside a row without one): the masks still run
     rows = (logits[:2].clone(), torch.tensor([0.7, 1.3]), torch.tensor([1, 0]), torch.ones(2))
     got = impl.probabilities(*(t.clone() for t in rows))
@@ -639,12 +649,14 @@ def mask_rule(logits, temperature, top_k, top_p, got, b: int, impl=None) -> str:
 
 
 def test_sample_is_the_exponential_race(impl, gen):
-    """sample returns argmax(probs / noise) row by row, and never a token of probability 0"""
+    """sample returns argmax(probs / noise) row by row (draws near 0 too), and never a token of probability 0"""
     probs = torch.rand(6, 30, generator=gen) ** 3
     probs[:, ::3] = 0.0  # masked tokens
     probs = probs / probs.sum(-1, keepdim=True)
     noise = torch.empty(6, 30).exponential_(generator=gen)
     noise[:, ::3] = 1e-30  # a masked token with all but zero noise must still lose
+    small, large = sorted((1, 2), key=lambda i: float(probs[0, i]))  # ... and kept ones' tiny draws are divided as
+    noise[0, small], noise[0, large] = 1e-30, 1e-25  # they are: the less likely one's smaller draw wins the race
     got = impl.sample(probs.clone(), noise.clone())
     expected = (probs.double() / noise.double()).argmax(-1)
     if got.tolist() != expected.tolist():

@@ -318,23 +318,26 @@ REFUSED_KV_HEADS, REFUSED_WORLD_SIZE = 2, 4  # kv heads that do not divide over 
 REFUSED_EVEN_HEADS = 6  # heads and kv heads both: more than the ranks, but no multiple of them (the rows divide)
 
 
+# merged_column_shard's part lists: q, k, v's sizes; one part (a plain column shard); four (any number of parts)
+MERGED_PARTS = ([8, 4, 4], [16], [4, 4, 4, 4])
+
+
 @pytest.mark.parametrize("tp", SHARD_WORLD_SIZES, ids=RANK_IDS)
 def test_column_row_and_merged_shards(impl, gen, tp):
     """column_shard, row_shard and merged_column_shard give every rank its block, exactly; a size the world
     does not divide raises ValueError"""
     weight = torch.randn(16, 12, generator=gen)
-    parts = [8, 4, 4]
     for rank in range(tp):
-        for name, got, want in (
-            ("column_shard", impl.column_shard(weight.clone(), rank, tp), rows_of(weight, rank, tp)),
-            ("row_shard", impl.row_shard(weight.clone(), rank, tp), columns_of(weight, rank, tp)),
-            ("merged_column_shard", impl.merged_column_shard(weight.clone(), parts, rank, tp),
-             torch.cat([rows_of(p, rank, tp) for p in weight.split(parts)])),
+        for name, got, want, parts in (
+            ("column_shard", impl.column_shard(weight.clone(), rank, tp), rows_of(weight, rank, tp), None),
+            ("row_shard", impl.row_shard(weight.clone(), rank, tp), columns_of(weight, rank, tp), None),
+            *(("merged_column_shard", impl.merged_column_shard(weight.clone(), parts, rank, tp),
+               torch.cat([rows_of(p, rank, tp) for p in weight.split(parts)]), parts) for parts in MERGED_PARTS),
         ):
             if not isinstance(got, torch.Tensor) or got.shape != want.shape or not torch.equal(got, want):
                 shape = tuple(got.shape) if isinstance(got, torch.Tensor) else type(got).__name__
                 raise Mismatch(f"{name}(weight [16, 12], rank {rank}, world_size {tp}"
-                               f"{', part_sizes [8, 4, 4]' if name.startswith('merged') else ''}) gives {shape} "
+                               f"{f', part_sizes {parts}' if parts else ''}) gives {shape} "
                                f"with other values than rank {rank}'s block {tuple(want.shape)}",
                                {"column_shard": "column-shard", "row_shard": "row-shard"}.get(name,
                                                                                               "merged-shard-part-by-part"))
@@ -382,6 +385,9 @@ def expect_value_error(call, what: str) -> None:
     raise Mismatch(f"{what} returned a result instead of raising ValueError", rule)
 
 
+ODD_HIDDEN = 41  # shard_layer splits heads and features, never the hidden size: one no world divides is served
+
+
 @pytest.mark.parametrize("tp", LAYER_WORLD_SIZES, ids=RANK_IDS)
 def test_shard_layer_matches_the_definition(impl, gen, tp):
     """shard_layer gives every rank its q, k and v heads, its gate and up features, its o_proj and down_proj
@@ -391,6 +397,9 @@ def test_shard_layer_matches_the_definition(impl, gen, tp):
         expect_shard(impl.shard_layer(layer, rank, tp), rank_layer(layer, rank, tp), rank, tp)
     half = random_weights(gen, "H8-KVH4").to(torch.bfloat16).layers[0]  # a bfloat16 layer: shards of its dtype
     expect_shard(impl.shard_layer(half, 0, tp), rank_layer(half, 0, tp), 0, tp)
+    V, _, intermediate, _, H, KVH, D = SHAPES["H8-KVH4"]  # a hidden size no world divides: it is never split
+    odd = ModelWeights.random(gen, V, ODD_HIDDEN, intermediate, 1, H, KVH, D).layers[0]
+    expect_shard(impl.shard_layer(odd, tp - 1, tp), rank_layer(odd, tp - 1, tp), tp - 1, tp)
 
 
 def test_shard_layer_refuses_kv_heads_that_do_not_divide(impl, gen):
@@ -411,11 +420,13 @@ def test_shard_model(impl, gen):
     """shard_model gives each rank its vocabulary rows, every layer's shard and the whole final norm, and refuses a
     vocabulary the ranks do not divide"""
     w = random_weights(gen, "H4-KVH2")
-    for rank in range(2):
-        shard = impl.shard_model(w, rank, 2)
+    V = w.embed_tokens.shape[0]
+    for rank, tp in ((0, 1), (0, 2), (1, 2)):  # one rank too: its TPWeights holds the whole model, fused
+        shard = impl.shard_model(w, rank, tp)
         embed = attribute(shard, "embed_tokens")
-        if not isinstance(embed, torch.Tensor) or not torch.equal(embed, rows_of(w.embed_tokens, rank, 2)):
-            raise Mismatch(f"rank {rank}'s `embed_tokens` is not vocabulary rows {rank * 32} .. {rank * 32 + 31}")
+        if not isinstance(embed, torch.Tensor) or not torch.equal(embed, rows_of(w.embed_tokens, rank, tp)):
+            raise Mismatch(f"rank {rank} of {tp}'s `embed_tokens` is not vocabulary rows {rank * V // tp} .. "
+                           f"{(rank + 1) * V // tp - 1}")
         layers = attribute(shard, "layers")
         if not isinstance(layers, list):  # a generator, a map: sharded only when walked, and walked only once
             raise Mismatch(f"rank {rank}'s `layers` is a {class_name_of(layers)}, expected a list of its "
@@ -426,7 +437,7 @@ def test_shard_model(impl, gen):
         if len(layers) != len(w.layers):
             raise Mismatch(f"rank {rank}'s shard has {len(layers)} layers, expected {len(w.layers)}")
         for index, layer in enumerate(layers):
-            expect_shard(layer, rank_layer(w.layers[index], rank, 2), rank, 2)
+            expect_shard(layer, rank_layer(w.layers[index], rank, tp), rank, tp)
         for name in ("norm", "eps", "rope_theta", "head_dim"):
             mine, want = attribute(shard, name), getattr(w, name)
             same = torch.equal(mine, want) if isinstance(want, torch.Tensor) else mine == want
@@ -701,9 +712,13 @@ def test_greedy_matches_hf_generate(impl, seed):
     held = [group.make_on(r, "TPWeights", s.embed_tokens, list(s.layers), s.norm, s.eps, s.rope_theta, s.head_dim)
             for r, s in enumerate(shards)]
     second, second_expected = second_greedy_prompt(seed)
-    for prompt, want in ((case.prompt, expected), (second, second_expected)):
-        out = group.call("tp_generate_greedy", [(held[r], prompt, GREEDY_TOKENS) for r in range(tp)])
+    for prompt, want in ((case.prompt, expected), (second, second_expected), (second, second_expected[:1])):
+        out = group.call("tp_generate_greedy", [(held[r], prompt, len(want)) for r in range(tp)])
         for rank, tokens in enumerate(out):
+            if isinstance(tokens, torch.Tensor) and tokens.shape != want.shape:  # one token is [1], not 0-d
+                raise Mismatch(f"rank {rank}: tp_generate_greedy with max_new_tokens {len(want)} returned shape "
+                               f"{list(tokens.shape)}, expected [{len(want)}] int64: one id per new token, one token "
+                               f"too", "-")
             if not isinstance(tokens, torch.Tensor) or not torch.equal(tokens, want):
                 got = tokens.tolist() if isinstance(tokens, torch.Tensor) else tokens
                 if prompt is case.prompt:  # (right on shards sent with the call, so their kind is what differs)
