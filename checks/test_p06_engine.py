@@ -537,7 +537,8 @@ def expect_tiny_temperature_splits_a_tie(impl, row: torch.Tensor) -> None:
     if not torch.allclose(got.double(), expected, atol=1e-6):
         kept = (got[0] > 0).nonzero().flatten().tolist()
         raise Mismatch(f"{what} gives {[round(x, 4) for x in got[0][kept].tolist()]} at tokens {kept}, expected 0.5 "
-                       f"each at tokens {list(TIED_AT_THE_TOP)}: only temperature 0 is greedy; any other temperature divides the "
+                       f"each at tokens {list(TIED_AT_THE_TOP)}: only temperature 0 is greedy; any other temperature "
+                       f"divides the "
                        f"logits as it is given (no floor), and logits tied stay tied", "temperature-divides")
 
 

@@ -164,11 +164,12 @@ def test_a_gather_list_a_real_backend_refuses_raises_on_its_rank(tmp_path):
     """p07's parallel_lm_head gathering into tp - 1 buffers, or into float32 buffers for bfloat16 logits: the checks'
     ranks refuse the list on rank 0 as torch and its backends do, before any data moves (not fill what fits), so the
     report says the call that raised and names no rule the error does not already say."""
-    out = checked(tmp_path / "short", "p07_tensor_parallel", "    slices = [torch.empty_like(logits) for _ in range(world_size)]\n",
+    gathered = "    slices = [torch.empty_like(logits) for _ in range(world_size)]\n"
+    out = checked(tmp_path / "short", "p07_tensor_parallel", gathered,
                   "    slices = [torch.empty_like(logits) for _ in range(world_size - 1)]\n", "-k", "lm_head")
     assert "raised RuntimeError: torch.distributed.gather: rank 0's output list has 1 tensors; it must have 2" in out
     assert "rank 1 was stopped as it waited in its 1st gather" in out and "breaks" not in out, out
-    out = checked(tmp_path / "dtype", "p07_tensor_parallel", "    slices = [torch.empty_like(logits) for _ in range(world_size)]\n",
+    out = checked(tmp_path / "dtype", "p07_tensor_parallel", gathered,
                   "    slices = [torch.empty_like(logits, dtype=torch.float32) for _ in range(world_size)]\n",
                   "-k", "model_matches")
     assert "raised ValueError: torch.distributed.gather: Invalid usage of tensors with different dtypes " \
