@@ -165,6 +165,11 @@ class Run:
     llm: object = None  # the engine that gave them (one rank: it can be asked again)
 
 
+def request_of(run: Run, b: int) -> Run:
+    """Request b of a run that gave its outputs, as a run of its own (to compare one request with HF)."""
+    return Run(run.w, run.prompts[b : b + 1], run.params[b : b + 1], run.config, run.outputs[b : b + 1])
+
+
 @cache
 def weights(seed: int, layout: str) -> ModelWeights:
     gen = torch.Generator().manual_seed(seed)
@@ -489,8 +494,8 @@ def test_probabilities_masks_are_exact(impl, gen):
             "probabilities-by-definition"
         hint = " (cast the logits to float32 before dividing by the temperature)" * (rule == "temperature-divides")
         raise Mismatch(f"{failure}{hint}", rule) from None
-    # float64 logits, temperatures and top_p (0.7 as a float64 is not float32's 0.7): cast to float32 first, the
-    # distribution is float32's, and so are the masses top_p is compared with
+    # float64 logits, temperatures and top_p (top_p as its decimals, 0.8 rather than float32's 0.800000011): the
+    # result is float32 and keeps the tokens of the float32 inputs
     wide = (logits.double(), temperature.double(), top_k, torch.tensor([round(x, 6) for x in top_p.tolist()],
                                                                        dtype=torch.float64))
     got = impl.probabilities(*(t.clone() for t in wide))
@@ -538,8 +543,8 @@ def expect_tiny_temperature_splits_a_tie(impl, row: torch.Tensor) -> None:
         kept = (got[0] > 0).nonzero().flatten().tolist()
         raise Mismatch(f"{what} gives {[round(x, 4) for x in got[0][kept].tolist()]} at tokens {kept}, expected 0.5 "
                        f"each at tokens {list(TIED_AT_THE_TOP)}: only temperature 0 is greedy; any other temperature "
-                       f"divides the "
-                       f"logits as it is given (no floor), and logits tied stay tied", "temperature-divides")
+                       f"divides the logits as it is given (no floor), and logits tied stay tied",
+                       "temperature-divides")
 
 
 TIED_AT_THE_TOP = (4, 9)
@@ -1287,8 +1292,7 @@ def test_seeded_requests_do_not_depend_on_the_batch(request, impl, seed):
                                                                  Params(temperature=1.0, top_k=1,
                                                                         max_tokens=HOT_TOKENS)], Config()))
         try:
-            expect_greedy(Run(probe.w, probe.prompts[1:], probe.params[1:], probe.config, probe.outputs[1:]), seed,
-                          ONE_HEAD, "a row at temperature 1 with top_k 1 beside it")
+            expect_greedy(request_of(probe, 1), seed, ONE_HEAD, "a row at temperature 1 with top_k 1 beside it")
         except Mismatch as drawn:
             raise Mismatch(f"{drawn}: a row that keeps one token must draw it, so the draw itself is wrong, not the "
                            f"greedy row's temperature: each row's token is argmax(probs / noise) of its own row",
@@ -1317,9 +1321,9 @@ def test_seeded_requests_do_not_depend_on_the_batch(request, impl, seed):
                            f"was asked again: a request's generator is its own, made when it is added and found by its "
                            f"request id, whatever the engine served before it", "seeded-own-generator")
         engine(impl, mixed)
-        greedy_row = Run(mixed.w, mixed.prompts[:1], mixed.params[:1], mixed.config, mixed.outputs[:1])
         try:  # ... and the greedy request in front of it stays greedy: its row is one-hot, never drawn at 1
-            expect_greedy(greedy_row, seed, ONE_HEAD, f"a greedy request beside a seeded one at temperature {HOT:g}")
+            expect_greedy(request_of(mixed, 0), seed, ONE_HEAD,
+                          f"a greedy request beside a seeded one at temperature {HOT:g}")
         except Mismatch as error:
             raise Mismatch(f"{error}{greedy_row_cause(impl)}", "greedy-one-hot") from None
         if mixed.outputs[1] != tokens:

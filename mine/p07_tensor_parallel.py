@@ -169,8 +169,9 @@ def tp_model_forward(model, token_ids: torch.Tensor, caches: list[KVCache] | Non
 
 def tp_generate_greedy(model, prompt_ids: torch.Tensor, max_new_tokens: int) -> torch.Tensor:
     """m04's greedy generation on this rank's shard: prefill `prompt_ids` `[P]` into one new, empty
-    `KVCache` per layer (made by this call: nothing of an earlier call on these shards), then decode. Rank 0 takes the argmax of its logits and a `broadcast` from rank 0 gives every
-    rank the token to feed back, as an int64 tensor (a 16-bit float holds ids exactly only up to 256 or
-    2048). Returns `[max_new_tokens]` int64, the same on every rank.
+    `KVCache` per layer (made by this call: nothing of an earlier call on these shards), then decode.
+    Rank 0 takes the argmax of its logits and a `broadcast` from rank 0 gives every rank the token to
+    feed back, as an int64 tensor (a 16-bit float holds ids exactly only up to 256 or 2048). Returns
+    `[max_new_tokens]` int64, the same on every rank.
     """
     raise NotImplementedError("tp_generate_greedy (mine/p07_tensor_parallel.py) is not written yet")
