@@ -95,7 +95,12 @@ def ids(names) -> str:
 
 
 def prompt_text(prompt) -> str:
-    """A prompt as the steps recall it; one of thousands of tokens by its ends and length."""
+    """A prompt as the steps recall it; one of thousands of tokens by its ends and length; a tuple or a range as
+    such."""
+    if isinstance(prompt, range):
+        return f"range({prompt.start}, {prompt.stop})"
+    if isinstance(prompt, tuple):
+        return f"({', '.join(map(str, prompt))})"
     if len(prompt) > 16:
         return f"[{', '.join(map(str, prompt[:3]))}, …, {prompt[-1]}] ({len(prompt)} tokens)"
     return ids(map(str, prompt))
@@ -353,14 +358,18 @@ class Driver:
         self.history.append(f"add {name} {prompt_text(prompt)} max {max_tokens}" + " ignore_eos" * ignore_eos)
         refused = not self.model.accepts(len(prompt), max_tokens)
         try:
-            remote = self.scheduler.add(request_id, list(prompt), max_tokens, ignore_eos)
+            remote = self.scheduler.add(request_id, prompt if isinstance(prompt, (tuple, range)) else list(prompt),
+                                        max_tokens, ignore_eos)  # a tuple or a range as such: any sequence of ids
         except LearnerError as error:
             if refused and "ValueError" in str(error):
                 return
+            if isinstance(prompt, (tuple, range)):
+                error = error.noted(f"add was given the prompt {prompt_text(prompt)}: a prompt is any sequence of "
+                                    f"token ids, copied into the request's own list (p01's Sequence does)")
             if "ValueError" in str(error):
                 error.rule = "add-refuses"  # a request that fits, refused: a known mistake's refusal is named
                 error.identifiable = True
-            raise
+            raise error from None
         if refused:
             why = "it asks for no token" if max_tokens < 1 else "it has no prompt" if not prompt else \
                 f"{count(self.limits[0], 'block')} of {self.size} tokens can never hold it"
@@ -1471,15 +1480,16 @@ def test_a_finished_request_gives_its_blocks_back(impl):
 
 def test_add_refuses_what_the_cache_cannot_hold(impl):
     """add refuses a request the whole cache could never hold, max_tokens 0 or -1 and an empty prompt, and accepts
-    one that fits exactly, and one whose id a waiting request has (each served as a request of its own)"""
+    one that fits exactly, a prompt given as a tuple or a range, and one whose id a waiting request has (each served
+    as a request of its own)"""
     d = Driver(impl, 3, 2, 4, 16)
     d.add(0, [1, 2, 3, 4, 5, 6, 7], 1)  # 4 blocks for the prompt alone: refused
     d.add(1, [1, 2], 6)  # 2 + 6 - 1 tokens need 4 blocks: refused
     d.add(3, [1, 2], 0)  # no token asked for: refused
     d.add(5, [1, 2], -1)  # fewer than none: refused too (below 1, not only 0)
     d.add(4, [], 2)  # no prompt: refused
-    d.add(2, [1, 2, 3], 4)  # 3 + 4 - 1 = 6 tokens: 3 blocks (the completions share the prompt's last), accepted
-    d.add(6, [1, 2, 3, 4, 5, 6], 1)  # the whole cache for the prompt, and its one token needs no slot: accepted
+    d.add(2, (1, 2, 3), 4)  # 3 + 4 - 1 = 6 tokens: 3 blocks (the completions share the prompt's last), accepted
+    d.add(6, range(1, 7), 1)  # the whole cache for the prompt, and its one token needs no slot: accepted
     d.run_to_the_end()
     scheduler = impl.Scheduler(3, 2, 4, 16)
     scheduler.add(0, [1, 2], 2)

@@ -448,6 +448,7 @@ def sampler_case(gen: torch.Generator):
 
 
 EXACTLY_P = 0.75  # the mass of the exactly-p row's two most likely tokens, 0.5 + 0.25
+WIDE_P_HAIR = 1e-8  # the exactly-p row's float64 top_p is p + this, p in float32: its third token is dropped
 
 
 def exactly_p_row(gen: torch.Generator, V: int) -> torch.Tensor:
@@ -494,16 +495,19 @@ def test_probabilities_masks_are_exact(impl, gen):
             "probabilities-by-definition"
         hint = " (cast the logits to float32 before dividing by the temperature)" * (rule == "temperature-divides")
         raise Mismatch(f"{failure}{hint}", rule) from None
-    # float64 logits, temperatures and top_p (top_p as its decimals, 0.8 rather than float32's 0.800000011): the
-    # result is float32 and keeps the tokens of the float32 inputs
-    wide = (logits.double(), temperature.double(), top_k, torch.tensor([round(x, 6) for x in top_p.tolist()],
-                                                                       dtype=torch.float64))
+    # float64 logits, temperatures and top_p (top_p as its decimals, 0.8 rather than float32's 0.800000011, and the
+    # exactly-p row's a hair above its mass, which float32 rounds away): the result is float32 and keeps the tokens
+    # of the inputs cast to float32
+    wide = (logits.double(), temperature.double(), top_k,
+            torch.tensor([round(x, 6) + WIDE_P_HAIR * (x == EXACTLY_P) for x in top_p.tolist()], dtype=torch.float64))
     got = impl.probabilities(*(t.clone() for t in wide))
     if got.dtype != torch.float32:
         raise Mismatch(f"probabilities of float64 logits, temperatures and top_p returned {got.dtype}, expected "
                        f"torch.float32: cast the logits, the temperatures and top_p to float32 first", "-")
     rows = (logits, temperature, top_k, wide[3].float())
-    expect_kept(got, expected_probabilities(*rows), *rows, "with float64 logits, temperatures and top_p, ")
+    hair = top_p.tolist().index(EXACTLY_P)
+    expect_kept(got, expected_probabilities(*rows), *rows, f"with float64 logits, temperatures and top_p (row {hair}'s "
+                f"top_p {EXACTLY_P + WIDE_P_HAIR:.8f}, {EXACTLY_P:g} in float32, which the masses are compared with), ")
     # a batch whose only mask is a top_k of 1 (beside a row without one): the masks still run
     rows = (logits[:2].clone(), torch.tensor([0.7, 1.3]), torch.tensor([1, 0]), torch.ones(2))
     got = impl.probabilities(*(t.clone() for t in rows))
@@ -1034,7 +1038,8 @@ SMALL_CACHE_BLOCKS = 2  # of 4 slots: 8 tokens, fewer than the 10-token prompt t
 def test_generate_refuses_a_request_longer_than_max_model_len(impl, seed):
     """LLM.generate refuses, with a ValueError, a request whose prompt and max_tokens together pass max_model_len
     (and a params list that is not one per prompt, and a prompt the whole cache cannot hold), and serves one that
-    fills it exactly, and two that each fit although the longest prompt with the largest max_tokens would not"""
+    fills it exactly, two that each fit although the longest prompt with the largest max_tokens would not, and no
+    prompt (it returns [])"""
     gen = torch.Generator().manual_seed(seed)
     prompt = random_prompts(gen, SHAPES[ONE_HEAD][0], (10,))[0]
     budgeted = impl.LLM(on_device(weights(seed, ONE_HEAD)), Config(max_model_len=16, max_num_batched_tokens=8))
@@ -1060,6 +1065,15 @@ def test_generate_refuses_a_request_longer_than_max_model_len(impl, seed):
     if not isinstance(served, list) or len(served) != 1 or len(served[0]) != 6:
         raise Mismatch(f"LLM.generate of a prompt of 10 tokens with max_tokens 6 under max_model_len 16 returned "
                        f"{str(served)[:60]}, expected one list of 6 tokens", "generate-returns-completions")
+    for params, said in ((Params(max_tokens=2), "one SamplingParams"), ([], "an empty list of params")):
+        try:  # no prompt: nothing to refuse and nothing to serve
+            none = llm.generate([], params)
+        except LearnerError as error:
+            raise error.noted(f"LLM.generate of no prompt with {said} must return [] (one list per prompt: none)") \
+                from None
+        if none != []:
+            raise Mismatch(f"LLM.generate of no prompt with {said} returned {str(none)[:40]}, expected []: one list "
+                           f"per prompt, and there is none", "generate-returns-completions")
     steps = steps_counted(llm)
     try:  # each request fits on its own (10 + 2, 2 + 12), though the longest prompt with the most tokens would not
         llm.generate([list(prompt), list(prompt[:2])], [Params(max_tokens=2), Params(max_tokens=12)])

@@ -11,6 +11,7 @@ and the report names it. On a GPU machine the ranks still run on the CPU with gl
 """
 
 import math
+from collections import namedtuple
 from dataclasses import dataclass
 from functools import cache
 
@@ -391,7 +392,8 @@ ODD_HIDDEN = 41  # shard_layer splits heads and features, never the hidden size:
 @pytest.mark.parametrize("tp", LAYER_WORLD_SIZES, ids=RANK_IDS)
 def test_shard_layer_matches_the_definition(impl, gen, tp):
     """shard_layer gives every rank its q, k and v heads, its gate and up features, its o_proj and down_proj
-    columns, the shared norms and its own head counts, in the layer's dtype (bfloat16 too)"""
+    columns, the shared norms and its own head counts, in the layer's dtype (bfloat16 too), of a layer it cannot
+    write to as well"""
     layer = random_weights(gen, "H8-KVH4").layers[0]
     for rank in range(tp):
         expect_shard(impl.shard_layer(layer, rank, tp), rank_layer(layer, rank, tp), rank, tp)
@@ -400,6 +402,16 @@ def test_shard_layer_matches_the_definition(impl, gen, tp):
     V, _, intermediate, _, H, KVH, D = SHAPES["H8-KVH4"]  # a hidden size no world divides: it is never split
     odd = ModelWeights.random(gen, V, ODD_HIDDEN, intermediate, 1, H, KVH, D).layers[0]
     expect_shard(impl.shard_layer(odd, tp - 1, tp), rank_layer(odd, tp - 1, tp), tp - 1, tp)
+    frozen = namedtuple("FrozenLayer", vars(layer))(**vars(layer))  # any object with a layer's attributes, here one
+    try:  # ... that cannot be written to: shard_layer reads its layer and keeps nothing on it
+        got = impl.shard_layer(frozen, tp - 1, tp)
+    except LearnerError as error:
+        if "raised AttributeError" not in str(error):
+            raise
+        raise LearnerError(f"{error} · a layer given as a namedtuple: read the layer, keep nothing on it (a fused "
+                           f"matrix kept there goes stale when its weights change)",
+                           error.identifiable, rule="shard-layer") from None
+    expect_shard(got, rank_layer(layer, tp - 1, tp), tp - 1, tp)
 
 
 def test_shard_layer_refuses_kv_heads_that_do_not_divide(impl, gen):

@@ -86,6 +86,8 @@ class Codec:
             return ("DV", str(value))
         if kind is torch.Size:
             return ("SZ", list(value))
+        if kind is range:  # (a prompt may be any sequence of ids)
+            return ("RG", value.start, value.stop, value.step)
         return self.other(value)
 
     def encode_tensor(self, t: torch.Tensor):
@@ -152,6 +154,8 @@ class Codec:
             return torch.device(rest[0])
         if tag == "SZ":
             return torch.Size(_ints(_items(rest)))
+        if tag == "RG" and len(rest) == 3 and all(type(x) is int for x in rest) and rest[2] != 0:
+            return range(*rest)
         if tag == "NT" and len(rest) == 3 and type(rest[0]) is str and type(rest[1]) is list:
             return _named_tuple(rest[0], tuple(rest[1]))(*(self._decode(v) for v in _items(rest[2:])))
         return self.decode_other(tag, rest)
