@@ -372,7 +372,9 @@ class Driver:
             raise error from None
         if refused:
             why = "it asks for no token" if max_tokens < 1 else "it has no prompt" if not prompt else \
-                f"{count(self.limits[0], 'block')} of {self.size} tokens can never hold it"
+                f"{count(self.limits[0], 'block')} of {self.size} tokens can never hold it" + \
+                (" (a stop token may end it sooner, or not: add counts max_tokens)" if self.limits[4] >= 0 and not
+                 ignore_eos else "")
             self.fail(f"add({name}, a prompt of {count(len(prompt), 'token')}, max_tokens {max_tokens}) was accepted, "
                       f"but {why}: expected a ValueError", "add-refuses")
         if not isinstance(remote, Remote):
@@ -765,6 +767,11 @@ class Driver:
             if seen.status != status:
                 self.fail(f"{where}: {name} is in {queue} but its status is {seen.status!r}, expected {status!r}",
                           "preempt-resets" if name in self.facts.preempted else "status-follows-queue")
+            if name in running and self.follow_model and name in self.facts.preempted and \
+                    model_live.get(name) == "waiting":  # the step's victim (by the model) was never sent back
+                self.fail(f"{where}: {name} is still in running, holding blocks {seen.table}, where the step "
+                          f"preempts it: the newest running request goes while one finds no slot, the request itself "
+                          f"when no other is left (whatever waits)", "preempt-the-newest")
             if name in running and self.follow_model:  # postprocess appends by the computed count: it goes first
                 self.expect_computed(where, name, seen.computed)
             if name in running and self.follow_model and seen.tokens != self.models[name].tokens:
@@ -1401,14 +1408,32 @@ def test_preempted_requests_come_back_first_and_are_recomputed(impl):
     d.run_to_the_end()
     # preempt resets its fields whatever the request's state: here one the step has just scheduled (an engine
     # that gives up a step preempts its requests before postprocess)
-    d = Driver(impl, 4, 2, 4, 16)
+    d = Driver(impl, 4, 2, 1, 16)  # one seat: B waits behind A
     d.add(0, [1, 2, 3], 2)
+    d.add(1, [4, 5], 2)
     batch, _ = d.scheduler.schedule()  # prefill [A 3]
     d.scheduler.preempt(batch[0])
     scheduled = d.read(d.remotes["A"], "num_scheduled_tokens", "A")
     if scheduled != 0:
         d.fail(f"preempt(A), called after schedule() gave A 3 tokens, left A's num_scheduled_tokens {scheduled}, "
                f"expected 0: preempt resets it with num_computed_tokens and the status", "preempt-resets")
+    waiting = d.queue("waiting")
+    if waiting != ["A", "B"]:  # before its first token too: a preempted request comes back first
+        d.fail(f"preempt(A), called after schedule() prefilled A (no token sampled yet), left waiting {ids(waiting)}, "
+               f"expected [A, B]: a preempted request goes to the left of waiting, whether or not it has completion "
+               f"tokens", "preempted-come-back-first")
+    try:  # ... and postprocess of that step: A computed nothing (0 scheduled tokens), so its token is discarded
+        finished = list(d.scheduler.postprocess(batch, [9]))
+    except LearnerError as error:
+        raise error.noted("postprocess of a step whose request preempt() took back after schedule(): its "
+                          "num_scheduled_tokens is 0, so its token is discarded") from None
+    seen = d.request("A")
+    if finished or seen.tokens != [1, 2, 3] or seen.computed != 0:
+        d.fail(f"postprocess of the step A was preempted from (after schedule(), before postprocess) returned "
+               f"{[d.name_of(r, 'finished') for r in finished]} and left A with tokens {seen.tokens} and "
+               f"{count(seen.computed, 'computed token')}, expected [], [1, 2, 3] and 0: A's num_scheduled_tokens is "
+               f"0, so its tokens are not all computed, and the token sampled for it is discarded",
+               "postprocess-appends-the-token")
 
 
 def test_a_preempted_request_is_recomputed_in_chunks_with_its_completion_tokens(impl):
@@ -1490,6 +1515,10 @@ def test_add_refuses_what_the_cache_cannot_hold(impl):
     d.add(4, [], 2)  # no prompt: refused
     d.add(2, (1, 2, 3), 4)  # 3 + 4 - 1 = 6 tokens: 3 blocks (the completions share the prompt's last), accepted
     d.add(6, range(1, 7), 1)  # the whole cache for the prompt, and its one token needs no slot: accepted
+    d.run_to_the_end()
+    d = Driver(impl, 2, 4, 4, 16, eos_token_id=0)  # one that may stop early is held to its max_tokens all the same
+    d.add(0, [1, 2, 3, 4, 5, 6], 10)  # 6 + 10 - 1 = 15 tokens: 4 blocks of 4, and the cache has 2: refused
+    d.add(1, [1, 2, 3, 4, 5], 4)  # 5 + 4 - 1 = 8 tokens: 2 blocks, accepted
     d.run_to_the_end()
     scheduler = impl.Scheduler(3, 2, 4, 16)
     scheduler.add(0, [1, 2], 2)

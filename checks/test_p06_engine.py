@@ -513,6 +513,8 @@ def test_probabilities_masks_are_exact(impl, gen):
     got = impl.probabilities(*(t.clone() for t in rows))
     expect_kept(got, expected_probabilities(*rows), *rows, "in a batch of 2 whose only mask is a top_k of 1, ")
     expect_tiny_temperature_splits_a_tie(impl, logits[1])
+    expect_the_masks_edges(impl, gen)
+    expect_top_p_one_keeps_the_vocabulary(impl, gen)
     # bfloat16 logits at temperature 1 in every row: nothing to divide, and the distribution is float32 all the same
     rows = (logits[:2].bfloat16(), torch.ones(2), torch.zeros(2, dtype=torch.long), torch.ones(2))
     got = impl.probabilities(*(t.clone() for t in rows))
@@ -551,6 +553,60 @@ def expect_tiny_temperature_splits_a_tie(impl, row: torch.Tensor) -> None:
                        "temperature-divides")
 
 
+def placed(gen: torch.Generator, values: list[float], V: int = SAMPLER_VOCAB) -> tuple[torch.Tensor, list[int]]:
+    """A row of V logits holding `values` at random places and -1000 elsewhere (exp gives exactly 0), and the
+    places."""
+    row, places = torch.full((V,), -1000.0), torch.randperm(V, generator=gen)[: len(values)].tolist()
+    row[places] = torch.tensor(values)
+    return row, places
+
+
+TIED_CROSSING_P = 0.5  # ln 4, ln 3, ln 3: 0.4, 0.3, 0.3; the first of the tied tokens crosses p, the second is not kept
+CROSSING_HAIR = 2.0**-22  # above the exactly-p row's 0.75: its third token's predecessors hold less than p, it is kept
+EXP_TIE = 3e-8  # logits 1, 3e-8 and 0: the last two differ, their exp in float32 does not
+
+
+def expect_the_masks_edges(impl, gen: torch.Generator) -> None:
+    """Three rows at the masks' edges: two tokens tied in probability at top-p's crossing (the fewest tokens that
+    reach p: one of them, either); the exactly-p row with p a hair above its mass (its third token is kept); and
+    top_k 2 of logits whose second and third differ by less than float32's exp can tell (the logits decide)."""
+    hair = exactly_p_row(gen, SAMPLER_VOCAB)
+    close, _ = placed(gen, [1.0, EXP_TIE, 0.0])
+    tied, (top, *pair) = placed(gen, [math.log(4), math.log(3), math.log(3)])
+    logits = torch.stack([hair, close, tied])
+    args = (logits, torch.ones(3), torch.tensor([0, 2, 0]), torch.tensor([EXACTLY_P + CROSSING_HAIR, 1.0,
+                                                                          TIED_CROSSING_P]))
+    got = impl.probabilities(*(t.clone() for t in args))
+    rows = tuple(t[:2] for t in args)
+    expect_kept(got[:2], expected_probabilities(*rows), *rows,
+                f"in a batch at the masks' edges (the exactly-p row with top_p {EXACTLY_P} + 2^-22; top_k 2 of logits "
+                f"1, {EXP_TIE:g} and 0, whose exp ties in float32), ", impl=impl)
+    kept = (got[2] > 0).nonzero().flatten().tolist()
+    if len(kept) != 2 or top not in kept or not set(kept) & set(pair) or \
+            not torch.allclose(got[2][kept].double().sort().values, torch.tensor([3 / 7, 4 / 7], dtype=torch.float64),
+                               atol=1e-6):
+        raise Mismatch(f"a row of probabilities 0.4, 0.3, 0.3 (tokens {top}, {pair[0]}, {pair[1]}; the two 0.3 tied) "
+                       f"with top_p {TIED_CROSSING_P:g} keeps tokens {kept[:8]}, expected {top} and one of the pair "
+                       f"(4/7, 3/7): top-p keeps by rank; the second of a tie has 0.7 before it", "top-p-smallest-set")
+
+
+QWEN3_VOCAB = 151_936  # a row of Qwen3's vocabulary: float32's cumulative sum of its sorted probabilities reaches 1
+
+
+def expect_top_p_one_keeps_the_vocabulary(impl, gen: torch.Generator) -> None:
+    """A row of Qwen3's vocabulary with top_p 1 beside a row with top_k 5 (the masks run for the batch) keeps every
+    token: its float32 cumulative sum reaches 1 before its last tokens, so only a row whose top_p is below 1 drops."""
+    logits = torch.randn(2, QWEN3_VOCAB, generator=gen) * 3
+    args = (logits, torch.ones(2), torch.tensor([5, 0]), torch.ones(2))
+    got = impl.probabilities(*(t.clone() for t in args))
+    dropped = int((got[1] == 0).sum())
+    if dropped:
+        raise Mismatch(f"a row of {QWEN3_VOCAB} tokens (N(0, 3) logits) with top_k 0 and top_p 1, beside a row with "
+                       f"top_k 5, keeps all but {counted(dropped, 'token')}, expected every one: top_p 1 keeps every "
+                       f"token, but the float32 cumulative sum of its sorted probabilities reaches 1 before its tail: "
+                       f"drop by top-p only in rows whose top_p is below 1", "top-p-smallest-set")
+
+
 TIED_AT_THE_TOP = (4, 9)
 RUNNER_UP, RUNNER_UP_GAP = 2, 0.01  # a floor on the temperature (0.01, as some engines clamp it) gives it e^-1 of each
 
@@ -561,7 +617,9 @@ def expect_kept(got, expected, logits, temperature, top_k, top_p, batch: str = "
     for b in range(logits.shape[0]):
         kept, wanted = (got[b] > 0).nonzero().flatten().tolist(), (expected[b] > 0).nonzero().flatten().tolist()
         if kept != wanted:
-            setting = (f"temperature {temperature[b]:g}, top_k {int(top_k[b])}, top_p {float(top_p[b]):g}")
+            p = f"{float(top_p[b]):g}"  # (as float32 holds it, where its shortest decimals are another float32)
+            p = p if float(torch.tensor(float(p), dtype=top_p.dtype)) == float(top_p[b]) else f"{float(top_p[b]):.9g}"
+            setting = f"temperature {temperature[b]:g}, top_k {int(top_k[b])}, top_p {p}"
             raise Mismatch(f"{batch}row {b} ({setting}) keeps tokens {kept[:8]}{'…' if len(kept) > 8 else ''}, "
                            f"expected {wanted[:8]}{'…' if len(wanted) > 8 else ''} ({counted(len(kept), 'token')} "
                            f"kept, expected {len(wanted)})", mask_rule(logits, temperature, top_k, top_p, got, b, impl))
@@ -665,12 +723,15 @@ def test_sample_is_the_exponential_race(impl, gen):
     probs = probs / probs.sum(-1, keepdim=True)
     noise = torch.empty(6, 30).exponential_(generator=gen)
     noise[:, ::3] = 1e-30  # a masked token with all but zero noise must still lose
+    noise[1, 0] = 1e-40  # ... a draw below float32's normal range too (1 / 1e-40 is inf, and 0 * inf is NaN)
     small, large = sorted((1, 2), key=lambda i: float(probs[0, i]))  # ... and kept ones' tiny draws are divided as
     noise[0, small], noise[0, large] = 1e-30, 1e-25  # they are: the less likely one's smaller draw wins the race
     got = impl.sample(probs.clone(), noise.clone())
     expected = (probs.double() / noise.double()).argmax(-1)
     if got.tolist() != expected.tolist():
-        raise Mismatch(f"sample chose {got.tolist()}, argmax(probs / noise) is {expected.tolist()}")
+        raise Mismatch(f"sample chose {got.tolist()}, argmax(probs / noise) is {expected.tolist()} (row 1's token 0 "
+                       f"has probability 0 and a draw of 1e-40; row 0 has draws of 1e-30 and 1e-25 on kept tokens "
+                       f"{small} and {large})")
 
 
 # ---- the engine against HF -----------------------------------------------------------------------------
@@ -1075,9 +1136,13 @@ def test_generate_refuses_a_request_longer_than_max_model_len(impl, seed):
             raise Mismatch(f"LLM.generate of no prompt with {said} returned {str(none)[:40]}, expected []: one list "
                            f"per prompt, and there is none", "generate-returns-completions")
     steps = steps_counted(llm)
-    try:  # each request fits on its own (10 + 2, 2 + 12), though the longest prompt with the most tokens would not
-        llm.generate([list(prompt), list(prompt[:2])], [Params(max_tokens=2), Params(max_tokens=12)])
+    try:  # each request fits on its own (10 + 2, 2 + 12), though the longest prompt with the most tokens would not;
+        # the params in a tuple, one per prompt (a tuple of params is a list of them)
+        llm.generate([list(prompt), list(prompt[:2])], (Params(max_tokens=2), Params(max_tokens=12)))
     except LearnerError as error:
+        if "tuple" in str(error):
+            raise error.noted("generate was given a tuple of 2 params for 2 prompts: a tuple, like a list, gives one "
+                              "per prompt") from None
         if "raised ValueError" not in str(error) or steps_counted(llm) != steps:
             raise  # (a ValueError once a step ran is the engine's failure while serving, not a refusal)
         # (a Mismatch: the refusal is the outcome a catalogued mutant's replay is compared on)

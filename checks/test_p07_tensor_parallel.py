@@ -27,6 +27,7 @@ from checks.harness.oracles import (
     hf_causal_lm,
     hf_first_layer_keys,
     hf_greedy,
+    hf_logits_after_zeros,
     model_case,
     rope_tables,
 )
@@ -328,7 +329,16 @@ def test_column_row_and_merged_shards(impl, gen, tp):
     """column_shard, row_shard and merged_column_shard give every rank its block, exactly; a size the world
     does not divide raises ValueError"""
     weight = torch.randn(16, 12, generator=gen)
+    by_columns = weight.t().contiguous().t()  # the same values laid out by columns (strides (1, 16))
     for rank in range(tp):
+        got = impl.row_shard(by_columns.clone(), rank, tp)
+        if isinstance(got, torch.Tensor) and torch.equal(got, columns_of(weight, rank, tp)) and \
+                not got.is_contiguous():
+            # (a LearnerError: a replay compares values, and every catalogued mistake's are right here)
+            raise LearnerError(f"row_shard of a weight [16, 12] laid out by columns (strides (1, 16), a transposed "
+                               f"tensor's), rank {rank} of {tp}, gives its columns with strides "
+                               f"{tuple(got.stride())}, expected a contiguous tensor: clone keeps a slice's strides, "
+                               f".contiguous() lays the shard out by rows", rule="row-shard")
         for name, got, want, parts in (
             ("column_shard", impl.column_shard(weight.clone(), rank, tp), rows_of(weight, rank, tp), None),
             ("row_shard", impl.row_shard(weight.clone(), rank, tp), columns_of(weight, rank, tp), None),
@@ -551,7 +561,8 @@ def test_collectives(impl, seed):
 @pytest.mark.parametrize("split", SPLITS)
 def test_model_matches_hf(impl, seed, gen, split, dtype):
     """tp_model_forward: rank 0's logits for every position (all_logits) or the last one match HF Qwen3ForCausalLM,
-    the others return None, and a bf16 model's caches hold bf16 keys"""
+    the others return None, a bf16 model's caches hold bf16 keys, and models of another eps or RoPE base on the
+    same ranks match too"""
     tp, layout = SPLITS[split]
     P = int(torch.randint(4, 10, (), generator=gen))
     case = hf_case(seed, layout, dtype, P)
@@ -563,6 +574,8 @@ def test_model_matches_hf(impl, seed, gen, split, dtype):
                                                     for r in range(tp)])
     logits = only_rank_zero(out, "tp_model_forward")
     expect_close(logits, case.logits, tolerance("model", dtype), f"rank 0's logits ({P} tokens, {tp} ranks)")
+    if dtype == torch.float32:
+        expect_other_models_on_the_same_ranks(impl, seed, tp, layout, P)
     if dtype != torch.float32:  # a half-precision model's caches hold its dtype (keys rotated by float32 tables
         # are float32: twice the memory, rounded otherwise than HF's, and the logits cannot tell)
         group = ranks(impl, tp)
@@ -577,6 +590,24 @@ def test_model_matches_hf(impl, seed, gen, split, dtype):
                                f"(the RoPE tables too: rope_cos_sin(..., dtype))", "model-forward")
 
 
+OTHER_MODELS = (("eps", 1e-3), ("rope_theta", 1e4))  # on the ranks that served Qwen3's 1e-6 and 1e6 just before
+
+
+def expect_other_models_on_the_same_ranks(impl, seed: int, tp: int, layout: str, P: int) -> None:
+    """Two more models on the same ranks, one with another norm eps, one with another RoPE base: each call reads
+    its model's (nothing kept from an earlier model: a frequency or a table of Qwen3's is another model's)."""
+    for name, value in OTHER_MODELS:
+        case = model_case(seed, SHAPES[layout], torch.float32, P, **{name: value})
+        out = ranks(impl, tp).call("tp_model_forward", [(rank_model(case.w, r, tp), case.prompt, None, True)
+                                                        for r in range(tp)])
+        try:
+            expect_close(only_rank_zero(out, "tp_model_forward"), case.logits, tolerance("model", torch.float32),
+                         f"rank 0's logits of a model whose {name} is {value:g}, on the same ranks")
+        except Mismatch as failure:
+            raise Mismatch(f"{failure} · every norm and RoPE reads the model's own {name} at each call (not "
+                           f"Qwen3's, nor an earlier model's)", "model-forward") from None
+
+
 # tokens start .. stop - 1 of each call, and whether it asks for all_logits: two prefill chunks of one length at two
 # offsets (the second wants its last row's logits only, as a chunked prompt's last chunk does), a decode step
 CHUNKED_CALLS = ((0, 4, True), (4, 8, False), (8, 9, True))
@@ -584,7 +615,8 @@ CHUNKED_CALLS = ((0, 4, True), (4, 8, False), (8, 9, True))
 
 def test_chunked_calls_with_caches(impl, seed):
     """prefill in two chunks (the second without all_logits: its last row's logits, [1, V]), then a decode step, with
-    one KVCache per layer on every rank: HF's logits, and each rank's cache holds HF's keys of its own kv heads"""
+    one KVCache per layer on every rank: HF's logits, and each rank's cache holds HF's keys of its own kv heads; and
+    a chunk at positions 5000 and 5001"""
     tp, layout = SPLITS["tp2-H8-KVH4"]
     case = hf_case(seed, layout, torch.float32, CHUNKED_CALLS[-1][1])
     group = ranks(impl, tp)
@@ -615,6 +647,7 @@ def test_chunked_calls_with_caches(impl, seed):
         if not isinstance(shapes, list) or [s[1] if len(s) == 3 else None for s in shapes] != [kvh] * len(shapes):
             raise Mismatch(f"rank {rank}'s layer-0 cache holds chunks {shapes}: each rank keeps its own "
                            f"KVH / tp = {kvh} kv heads", "caches-per-layer-and-rank")
+    expect_a_chunk_far_in(group, case, shards, tp)
     keys = hf_first_layer_keys(case.w, case.prompt)  # [T, KVH, D]: normed, rotated at positions 0 .. T-1
     for rank in range(tp):  # (the logits cannot tell: every position shifted alike leaves RoPE's scores as they are)
         held = torch.cat(list(attribute(caches[rank][0], "k")))
@@ -625,6 +658,25 @@ def test_chunked_calls_with_caches(impl, seed):
             raise LearnerError(f"{failure} · a cache holds each token's key normed and rotated at the token's own "
                                f"position (0 .. {len(case.prompt) - 1} over the three calls), for the rank's kv "
                                f"heads {rank * kvh} .. {(rank + 1) * kvh - 1}", rule="model-forward") from None
+
+
+FAR_START = 5000  # a chunk at positions 5000 and 5001: past 4096, where a RoPE table of a fixed length ends
+
+
+def expect_a_chunk_far_in(group, case: ModelCase, shards: list, tp: int) -> None:
+    """Two tokens after caches holding 5000 zero keys and values per layer: HF's logits at positions 5000 and 5001
+    (RoPE at the positions the caches give, however far)."""
+    kvh = case.w.layers[0].num_kv_heads // tp
+    far = [[group.make_on(r, "KVCache") for _ in case.w.layers] for r in range(tp)]
+    for r in range(tp):
+        for cache in far[r]:
+            cache.append(torch.zeros(FAR_START, kvh, case.w.head_dim), torch.zeros(FAR_START, kvh, case.w.head_dim))
+    tokens = case.prompt[:2]
+    out = group.call("tp_model_forward", [(shards[r], tokens, far[r], True) for r in range(tp)])
+    expect_close(only_rank_zero(out, "tp_model_forward"), hf_logits_after_zeros(case.w, tokens, FAR_START),
+                 tolerance("model", torch.float32),
+                 f"rank 0's logits for 2 tokens after caches of {FAR_START} zero keys and values (positions "
+                 f"{FAR_START} and {FAR_START + 1}: RoPE at any position the caches give)")
 
 
 def cached_tokens(cache) -> int | object:

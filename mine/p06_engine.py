@@ -513,7 +513,7 @@ class LLM:
         Args:
             prompts: token ids, one list per request (not modified).
             sampling_params: one object with `SamplingParams`' attributes for every request, or a list
-                of them, one per prompt.
+                (or a tuple) of them, one per prompt.
 
         Returns:
             `outputs[i]`: request i's sampled tokens (its stop token included when it stopped on one), one

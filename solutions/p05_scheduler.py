@@ -75,9 +75,10 @@ class Scheduler:
         self.eos_token_id = eos_token_id
 
     def add(self, request_id: int, prompt_ids, max_tokens: int, ignore_eos: bool = False) -> Request:
-        """Queue a new request on the right of `waiting` and return it. A request that could not fit
-        the whole cache alone (its prompt and every completion token but the last need a slot) is
-        refused with a ValueError: it would be preempted forever. So is an empty prompt, or
+        """Queue a new request on the right of `waiting` and return it (`prompt_ids`: any sequence of
+        token ids, which the request copies). A request that could not fit the whole cache alone (its
+        prompt and every completion token but the last need a slot, though a stop token may end it
+        sooner) is refused with a ValueError: it would be preempted forever. So is an empty prompt, or
         `max_tokens` below 1 (a request that asks for no token)."""
         request = Request(request_id, prompt_ids, self.block_manager.block_size, max_tokens, ignore_eos)
         block_size = self.block_manager.block_size

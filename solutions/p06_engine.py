@@ -133,6 +133,7 @@ def probabilities(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.
         ordered, order = probs.sort(dim=-1, descending=True)
         before = ordered.cumsum(dim=-1) - ordered  # [B, V]: the mass of the more likely tokens
         drop = torch.zeros_like(probs).scatter(1, order, (before >= top_p.float()[:, None]).float()).bool()
+        drop &= (top_p.float() < 1)[:, None]  # top_p 1 keeps every token: a float32 cumsum can reach 1 early
         probs = probs.masked_fill(drop, 0.0)
         probs = probs / probs.sum(dim=-1, keepdim=True)
     greedy = torch.zeros_like(probs).scatter(1, logits.argmax(dim=-1, keepdim=True), 1.0)
@@ -660,7 +661,7 @@ class LLM:
         Args:
             prompts: token ids, one list per request (not modified).
             sampling_params: one object with `SamplingParams`' attributes for every request, or a list
-                of them, one per prompt.
+                (or a tuple) of them, one per prompt.
 
         Returns:
             `outputs[i]`: request i's sampled tokens (its stop token included when it stopped on one), one

@@ -10,6 +10,7 @@ from functools import cache
 
 import torch
 from torch import nn
+from transformers import DynamicCache
 from transformers.models.qwen3 import configuration_qwen3, modeling_qwen3
 
 QWEN3_ROPE_THETA = 1_000_000.0  # Qwen3's value; HF's config default is 10,000, so it is always passed
@@ -346,6 +347,19 @@ def hf_first_layer_keys(w: ModelWeights, token_ids: torch.Tensor) -> torch.Tenso
     return k[0].transpose(0, 1)
 
 
+def hf_logits_after_zeros(w: ModelWeights, token_ids: torch.Tensor, start: int) -> torch.Tensor:
+    """Logits [T, V] in float64 of HF's Qwen3 for `token_ids` [T] at positions start .. start+T-1, after a cache of
+    `start` zero keys and values in every layer (what a chunk far into a sequence computes, without the sequence)."""
+    model = hf_causal_lm(w.to(torch.float64), torch.float64)
+    cache, T = DynamicCache(), token_ids.shape[0]
+    zeros = torch.zeros(1, w.layers[0].num_kv_heads, start, w.head_dim, dtype=torch.float64)
+    for i in range(len(w.layers)):
+        cache.update(zeros, zeros, i)
+    with torch.no_grad():
+        return model(token_ids[None], past_key_values=cache, position_ids=torch.arange(start, start + T)[None],
+                     use_cache=True).logits[0]
+
+
 @dataclass(frozen=True)
 class ModelCase:
     """Random weights and a prompt with HF's float64 logits and sub-steps on them (m04's and p07's checks)."""
@@ -357,11 +371,12 @@ class ModelCase:
 
 
 @cache
-def model_case(seed: int, dims: tuple, dtype: torch.dtype, P: int) -> ModelCase:
+def model_case(seed: int, dims: tuple, dtype: torch.dtype, P: int, eps: float = 1e-6,
+               rope_theta: float = QWEN3_ROPE_THETA) -> ModelCase:
     """`ModelWeights.random` of `dims` (V, hidden, I, L, H, KVH, D) in `dtype` and a prompt of P tokens from
-    `seed`; HF's logits and sub-steps in float64 (once per case)."""
+    `seed` (Qwen3's norm eps and RoPE base unless given); HF's logits and sub-steps in float64 (once per case)."""
     gen = torch.Generator().manual_seed(seed)
-    w = ModelWeights.random(gen, *dims).to(dtype)
+    w = replace(ModelWeights.random(gen, *dims, eps=eps), rope_theta=rope_theta).to(dtype)
     prompt = torch.randint(0, w.embed_tokens.shape[0], (P,), generator=gen)
     logits, steps = hf_logits_and_steps(hf_causal_lm(w.to(torch.float64), torch.float64), prompt)
     return ModelCase(w, prompt, logits, steps)
