@@ -1434,6 +1434,41 @@ def test_preempted_requests_come_back_first_and_are_recomputed(impl):
                f"{count(seen.computed, 'computed token')}, expected [], [1, 2, 3] and 0: A's num_scheduled_tokens is "
                f"0, so its tokens are not all computed, and the token sampled for it is discarded",
                "postprocess-appends-the-token")
+    expect_preempted_from_outside(impl)
+
+
+def expect_preempted_from_outside(impl) -> None:
+    """`preempt` called by its caller (an engine that gives up a step) on a request a decode step has just scheduled:
+    its tokens stay whole; on a running request while a chunked prompt waits: it goes first, ahead of the chunk, and
+    the next step computes it alone (the chunk, not first, is not cut to the budget left)."""
+    d = Driver(impl, 10, 4, 4, 16)
+    d.add(0, [1, 2, 3], 4)
+    d.add(1, [5, 6], 4)
+    d.step()  # prefill [A 3, B 2]
+    batch, _ = d.scheduler.schedule()  # decode [A 1, B 1]
+    d.scheduler.preempt(batch[0])
+    tokens = d.read(d.remotes["A"], "token_ids", "A")
+    if tokens != d.models["A"].tokens:
+        d.fail(f"preempt(A), called after schedule() gave A a decode step, left A's token_ids {tokens}, expected "
+               f"{d.models['A'].tokens}: preempt keeps every token (the step's token is computed again with the "
+               f"rest)", "preempt-resets")
+    d = Driver(impl, 10, 4, 4, 6)
+    d.add(0, [1, 2, 3], 4)
+    d.step()  # prefill [A 3]
+    d.add(1, list(range(10, 20)), 2)
+    d.step()  # prefill [B 6], a chunk: B stays first in waiting with its blocks
+    d.scheduler.preempt(d.remotes["A"])  # (A stays in running too: only the queues' order is read below)
+    waiting = d.queue("waiting")
+    if waiting[:2] != ["A", "B"]:
+        d.fail(f"preempt(A) of running A, while B's prompt waits half computed (6 of 10), left waiting {ids(waiting)}, "
+               f"expected [A, B]: preempt puts a request on the left of waiting, ahead of a chunk too",
+               "preempted-come-back-first")
+    batch, _ = d.scheduler.schedule()
+    got = [(d.name_of(r, "the batch"), d.read(r, "num_scheduled_tokens", d.name_of(r, "the batch"))) for r in batch]
+    if got != [("A", 4)]:
+        d.fail(f"after preempt(A) put A ahead of B's chunk, the next prefill step is {batch_text(got)}, expected "
+               f"[A 4]: A's 4 tokens leave 2 of the budget of 6, and B, no longer first, is not cut to them (it waits "
+               f"for a step it fits whole, or leads)", "only-the-first-is-chunked")
 
 
 def test_a_preempted_request_is_recomputed_in_chunks_with_its_completion_tokens(impl):
@@ -1533,6 +1568,34 @@ def test_add_refuses_what_the_cache_cannot_hold(impl):
         said.rule, said.identifiable = "add-refuses", True
         raise said from None
     expect_twins_kept_apart(impl)
+    expect_twins_preempted_apart(impl)
+
+
+def expect_twins_preempted_apart(impl) -> None:
+    """Preemption among requests of one id: the newest running request is the victim though it shares the decoding
+    request's id, and a victim goes back first in waiting though a waiting request has its id."""
+    scheduler = impl.Scheduler(4, 2, 4, 16)
+    first, second = scheduler.add(7, [1, 2, 3], 3), scheduler.add(7, [4, 5, 6], 3)
+    for tokens in ([10, 11], [20, 21]):  # prefill [A 3, B 3]: every block taken; decode [A 1, B 1]: no new block
+        batch, _ = scheduler.schedule()
+        scheduler.postprocess(batch, tokens[: len(batch)])
+    batch, _ = scheduler.schedule()  # A's token 20 needs a block: B, the newest, is preempted
+    shown = ["the first" if r is first else "the second" if r is second else "another" for r in batch]
+    if len(batch) != 1 or batch[0] is not first:
+        raise Mismatch(f"two requests with the id 7 (prompts [1, 2, 3] and [4, 5, 6], blocks of 2, 4 blocks): in step "
+                       f"3 the first needs a block, and the decode step holds {shown}, expected the first alone: the "
+                       f"newest running request is preempted (the second), whatever its id", "preempt-the-newest")
+    scheduler = impl.Scheduler(4, 2, 4, 16)
+    x, y, z = scheduler.add(0, [1, 2, 3], 3), scheduler.add(1, [4, 5, 6], 3), scheduler.add(1, [7, 8, 9], 3)
+    for tokens in ([10, 11], [20, 21], [30]):  # prefill [X, Y] (Z waits for blocks); decode [X, Y]; X preempts Y
+        batch, _ = scheduler.schedule()
+        scheduler.postprocess(batch, tokens[: len(batch)])
+    waiting = ["Y" if r is y else "Z" if r is z else "X" if r is x else "another" for r in scheduler.waiting]
+    if waiting != ["Y", "Z"]:
+        raise Mismatch(f"X (id 0), Y and Z (both id 1; Z waits for blocks): after step 3, where X needs a block and "
+                       f"Y is preempted, waiting is {ids(waiting)}, expected [Y, Z]: a preempted request goes back "
+                       f"on the left of waiting, though a waiting request has its id (the ids are the caller's)",
+                       "preempted-come-back-first")
 
 
 def expect_twins_kept_apart(impl) -> None:

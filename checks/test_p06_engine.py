@@ -20,6 +20,7 @@ import math
 import re
 import shutil
 import tempfile
+from collections import namedtuple
 from dataclasses import dataclass, field, replace
 from functools import cache
 from pathlib import Path
@@ -185,6 +186,11 @@ def on_device(w: ModelWeights) -> ModelWeights:
     return ModelWeights(embed_tokens=w.embed_tokens.to(DEVICE), layers=tuple(
         type(layer)(**{k: (v.to(DEVICE) if isinstance(v, torch.Tensor) else v) for k, v in vars(layer).items()})
         for layer in w.layers), norm=w.norm.to(DEVICE), eps=w.eps, rope_theta=w.rope_theta, head_dim=w.head_dim)
+
+
+def frozen_layers(w: ModelWeights) -> ModelWeights:
+    """The same model whose layers are namedtuples of their attributes: objects the engine cannot write to."""
+    return replace(w, layers=tuple(namedtuple("FrozenLayer", vars(layer))(**vars(layer)) for layer in w.layers))
 
 
 def random_prompts(gen: torch.Generator, vocab: int, lengths) -> list[list[int]]:
@@ -515,6 +521,7 @@ def test_probabilities_masks_are_exact(impl, gen):
     expect_tiny_temperature_splits_a_tie(impl, logits[1])
     expect_the_masks_edges(impl, gen)
     expect_top_p_one_keeps_the_vocabulary(impl, gen)
+    expect_greedy_at_the_logits_argmax(impl)
     # bfloat16 logits at temperature 1 in every row: nothing to divide, and the distribution is float32 all the same
     rows = (logits[:2].bfloat16(), torch.ones(2), torch.zeros(2, dtype=torch.long), torch.ones(2))
     got = impl.probabilities(*(t.clone() for t in rows))
@@ -600,11 +607,36 @@ def expect_top_p_one_keeps_the_vocabulary(impl, gen: torch.Generator) -> None:
     args = (logits, torch.ones(2), torch.tensor([5, 0]), torch.ones(2))
     got = impl.probabilities(*(t.clone() for t in args))
     dropped = int((got[1] == 0).sum())
+    try:  # top_k of any integer dtype: int16 holds no V past 32767, and gather wants an int64 index
+        narrow = impl.probabilities(*(t.clone() for t in (logits, args[1], args[2].to(torch.int16), args[3])))
+    except LearnerError as error:
+        raise error.noted(f"top_k was int16 here, over {QWEN3_VOCAB} tokens: widen it to int64 before it meets V or "
+                          f"gather") from None
+    if not dropped and not torch.equal(narrow, got):
+        raise Mismatch(f"probabilities of the same two rows of {QWEN3_VOCAB} tokens with top_k [5, 0] as int16 differ "
+                       f"from those of top_k as int64: widen top_k to int64 first", "top-k-keeps-ties")
     if dropped:
         raise Mismatch(f"a row of {QWEN3_VOCAB} tokens (N(0, 3) logits) with top_k 0 and top_p 1, beside a row with "
                        f"top_k 5, keeps all but {counted(dropped, 'token')}, expected every one: top_p 1 keeps every "
                        f"token, but the float32 cumulative sum of its sorted probabilities reaches 1 before its tail: "
                        f"drop by top-p only in rows whose top_p is below 1", "top-p-smallest-set")
+
+
+GREEDY_CLOSE = (([0.0, 1e-8, -1.0, -2.0], torch.float32, 1),  # exp(-1e-8) is 1 in float32: the probabilities tie
+                ([0.5, 1.0, 1.0 + 1e-12, 0.25], torch.float64, 2))  # float64 logits float32 cannot tell apart
+
+
+def expect_greedy_at_the_logits_argmax(impl) -> None:
+    """A greedy row whose two largest logits are closer than its probabilities (or float32) can tell: its one-hot is
+    at the first argmax of the logits as given, beside a sampled row with top_k 2 (the masks run)."""
+    for row, dtype, wanted in GREEDY_CLOSE:
+        logits = torch.tensor([row, [2.0, 1.0, 0.0, -1.0]], dtype=dtype)
+        got = impl.probabilities(logits.clone(), torch.tensor([0.0, 1.0]), torch.tensor([0, 2]), torch.ones(2))
+        if int(got[0].argmax()) != wanted or int((got[0] > 0).sum()) != 1:
+            raise Mismatch(f"a greedy row of {str(dtype).removeprefix('torch.')} logits {row} gives "
+                           f"{[round(x, 4) for x in got[0].tolist()]}, expected the one-hot at {wanted}, the first "
+                           f"argmax of the logits as given (not of a float32 copy, nor of the probabilities)",
+                           "greedy-one-hot")
 
 
 TIED_AT_THE_TOP = (4, 9)
@@ -1103,10 +1135,14 @@ def test_generate_refuses_a_request_longer_than_max_model_len(impl, seed):
     prompt (it returns [])"""
     gen = torch.Generator().manual_seed(seed)
     prompt = random_prompts(gen, SHAPES[ONE_HEAD][0], (10,))[0]
-    budgeted = impl.LLM(on_device(weights(seed, ONE_HEAD)), Config(max_model_len=16, max_num_batched_tokens=8))
+    budgeted = impl.LLM(frozen_layers(on_device(weights(seed, ONE_HEAD))),  # (its layers: namedtuples, read only)
+                        Config(max_model_len=16, max_num_batched_tokens=8))
     try:  # the token budget bounds a step, not a request: a longer prompt is prefilled in chunks
         budgeted.generate([list(prompt)], [Params(max_tokens=2)])
     except LearnerError as error:
+        if "raised AttributeError" in str(error) and "Layer" in str(error):
+            raise error.noted("this engine's model has namedtuple layers (any object with a layer's attributes): "
+                              "read the model, keep nothing on it") from None
         if not refused_for_length(error) or ran_a_step(budgeted):
             raise  # (a ValueError once a step ran is the engine's failure while serving, not a refusal)
         raise LearnerError(f"{error} · LLM.generate refused a prompt of 10 tokens with max_tokens 2 under "
@@ -1135,6 +1171,11 @@ def test_generate_refuses_a_request_longer_than_max_model_len(impl, seed):
         if none != []:
             raise Mismatch(f"LLM.generate of no prompt with {said} returned {str(none)[:40]}, expected []: one list "
                            f"per prompt, and there is none", "generate-returns-completions")
+    served = refused(lambda: llm.generate([], [Params(max_tokens=2)]), "one-params-per-prompt")
+    if served is not REFUSED:  # a list of one params for no prompt: the lengths differ here too
+        raise Mismatch(f"LLM.generate of no prompt with a list of 1 SamplingParams returned {str(served)[:40]}: a list "
+                       f"gives one params per prompt, so one of another length raises ValueError, no prompt too",
+                       "one-params-per-prompt")
     steps = steps_counted(llm)
     try:  # each request fits on its own (10 + 2, 2 + 12), though the longest prompt with the most tokens would not;
         # the params in a tuple, one per prompt (a tuple of params is a list of them)
@@ -1191,6 +1232,19 @@ def test_generate_refuses_a_request_longer_than_max_model_len(impl, seed):
                        f"{SMALL_CACHE_BLOCKS} blocks of 4 returned {str(served)[:40]}: it needs 3 blocks, so p05's add "
                        f"raises ValueError, and generate lets it through (a prompt left out shifts the outputs)",
                        "refuses-over-max-model-len")
+    steps = steps_counted(small)
+    try:  # ... behind a prompt that fits: the call is refused whole, and the first prompt is not left queued
+        served = small.generate([list(prompt[:4]), list(prompt)], Params(max_tokens=1))
+    except LearnerError as error:
+        if "raised ValueError" not in str(error) or steps_counted(small) != steps:
+            raise
+        expect_nothing_queued(small, f"prompts of 4 and 10 tokens in a cache of {SMALL_CACHE_BLOCKS} blocks of 4 (the "
+                              f"second can never be held: a refusal p05's add makes comes before anything is queued)",
+                              "refuses-over-max-model-len")
+    else:
+        raise Mismatch(f"LLM.generate of prompts of 4 and 10 tokens with max_tokens 1 in a cache of "
+                       f"{SMALL_CACHE_BLOCKS} blocks of 4 returned {str(served)[:40]}: the second needs 3 blocks, so "
+                       f"the call raises ValueError", "refuses-over-max-model-len")
     try:
         llm.generate([list(prompt[:4]), list(prompt)], [Params(max_tokens=4), Params(max_tokens=7)])
     except LearnerError as error:

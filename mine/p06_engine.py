@@ -519,7 +519,7 @@ class LLM:
             `outputs[i]`: request i's sampled tokens (its stop token included when it stopped on one), one
             list per request even where two prompts are equal.
             A prompt longer than `max_model_len` with its `max_tokens`, one the cache cannot hold, or a
-            list of params whose length is not the number of prompts raises ValueError before anything runs.
+            list of params whose length is not the number of prompts raises ValueError before anything is queued.
         """
         raise NotImplementedError("LLM.generate (mine/p06_engine.py) is not written yet")
 

@@ -95,7 +95,7 @@ def row_shard(weight: torch.Tensor, rank: int, world_size: int) -> torch.Tensor:
 def merged_column_shard(weight: torch.Tensor, part_sizes: list[int], rank: int, world_size: int) -> torch.Tensor:
     """Rank `rank`'s rows of a fused matrix: `weight` `[sum(part_sizes), in]` is parts stacked by rows
     (q, k, v; or gate, up), and each part is column-sharded on its own; the rank's blocks are stacked in
-    the parts' order.
+    the parts' order. `part_sizes` may be any sequence of ints (a list, a tuple, a `torch.Size`).
 
     Raises `ValueError` when `world_size` does not divide a part. Returns a new tensor
     `[sum(part_sizes) / tp, in]`.

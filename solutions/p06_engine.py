@@ -122,6 +122,7 @@ def probabilities(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.
         `[B, V]` float32: a greedy row is one-hot at its first argmax; any other row is
         `softmax(logits / temperature)` with masked tokens exactly 0, renormalised to sum to 1.
     """
+    top_k = top_k.long()  # any integer dtype: an int16 top_k cannot hold V past 32767, and gather wants int64
     B, V = logits.shape
     scaled = logits.float() / torch.where(temperature > 0, temperature, 1.0).float()[:, None]  # [B, V] fp32
     probs = scaled.softmax(dim=-1)
@@ -667,7 +668,7 @@ class LLM:
             `outputs[i]`: request i's sampled tokens (its stop token included when it stopped on one), one
             list per request even where two prompts are equal.
             A prompt longer than `max_model_len` with its `max_tokens`, one the cache cannot hold, or a
-            list of params whose length is not the number of prompts raises ValueError before anything runs.
+            list of params whose length is not the number of prompts raises ValueError before anything is queued.
         """
         params = sampling_params if isinstance(sampling_params, (list, tuple)) else [sampling_params] * len(prompts)
         if len(params) != len(prompts):
@@ -676,6 +677,12 @@ class LLM:
             if len(prompt) + p.max_tokens > self.config.max_model_len:
                 raise ValueError(f"a prompt of {len(prompt)} tokens and max_tokens {p.max_tokens} exceed "
                                  f"max_model_len {self.config.max_model_len}")
+        manager = self.scheduler.block_manager  # what p05's add refuses (the whole cache could never hold it),
+        for prompt, p in zip(prompts, params):  # refused before any request of the call is queued
+            needed = -(-(len(prompt) + p.max_tokens - 1) // manager.block_size)  # every token but the last
+            if not len(prompt) or p.max_tokens < 1 or needed > len(manager.blocks):
+                raise ValueError(f"a prompt of {len(prompt)} tokens and max_tokens {p.max_tokens}: empty, no "
+                                 f"token asked, or more than {len(manager.blocks)} blocks of {manager.block_size}")
         requests = []
         for prompt, p in zip(prompts, params):
             request = self.scheduler.add(self._next_id, list(prompt), p.max_tokens, p.ignore_eos)

@@ -36,12 +36,18 @@ MISTAKES = [
         "generate leaves out a prompt the cache can never hold (it catches add's ValueError) instead of refusing",
         "Let the ValueError of Scheduler.add reach the caller: a prompt left out makes the outputs one short, and "
         "every later one answers the prompt before it.",
-        replace("            request = self.scheduler.add(self._next_id, list(prompt), p.max_tokens, p.ignore_eos)\n",
-                "            try:\n"
-                "                request = self.scheduler.add(self._next_id, list(prompt), p.max_tokens, p.ignore_eos)\n"
-                "            except ValueError:  # the cache cannot hold it: serve the others\n"
-                "                self._next_id += 1\n"
-                "                continue\n"),
+        chain(replace("        manager = self.scheduler.block_manager  # what p05's add refuses (the whole cache could "
+                      "never hold it),\n", "        manager = self.scheduler.block_manager\n"),
+              replace("            if not len(prompt) or p.max_tokens < 1 or needed > len(manager.blocks):\n",
+                      "            if False:  # (no check of its own: add's refusal is caught below)\n"),
+              replace("            request = self.scheduler.add(self._next_id, list(prompt), p.max_tokens, "
+                      "p.ignore_eos)\n",
+                      "            try:\n"
+                      "                request = self.scheduler.add(self._next_id, list(prompt), p.max_tokens, "
+                      "p.ignore_eos)\n"
+                      "            except ValueError:  # the cache cannot hold it: serve the others\n"
+                      "                self._next_id += 1\n"
+                      "                continue\n")),
     ),
     Mistake(
         'outputs-include-prompt',
