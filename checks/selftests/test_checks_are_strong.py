@@ -132,8 +132,8 @@ def test_report_never_shows_a_traceback(full_run):
         assert marker not in full_run.output, f"the rendered report contains {marker!r}"
     # a check's title is its docstring's whole first paragraph, wrapped in the source or not; a count of cases
     # says what happened to them; a case reads as words
-    assert "merged_column_shard give every rank its block, exactly; a size the world does not divide raises " \
-           "ValueError" in " ".join(full_run.output.split())
+    assert "merged_column_shard give every rank its block, exactly (of 3 ranks too); a size the world does not " \
+           "divide raises ValueError" in " ".join(full_run.output.split())
     joined = " ".join(full_run.output.split())  # the report wraps long lines
     assert re.search(r"\d+ of \d+ cases failed", joined)
     assert not re.search(r"\d+ of \d+ cases (?!failed|not started|kit error|skipped)", joined)
