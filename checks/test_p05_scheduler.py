@@ -353,12 +353,16 @@ class Driver:
         self.cached_at_admission: dict[str, int] = {}  # name -> the num_cached_tokens its last allocate set
 
     # -- what the check does --
-    def add(self, request_id: int, prompt, max_tokens: int, ignore_eos: bool = False) -> None:
+    def add(self, request_id: int, prompt, max_tokens: int, ignore_eos: bool = False, as_id: int | None = None) -> None:
+        """Add the request named by `request_id` (A for 0, ...), given the scheduler with the id `as_id` when one is
+        given (ids are the caller's: several requests may share one)."""
         name = letter(request_id)
-        self.history.append(f"add {name} {prompt_text(prompt)} max {max_tokens}" + " ignore_eos" * ignore_eos)
+        self.history.append(f"add {name} {prompt_text(prompt)} max {max_tokens}" + " ignore_eos" * ignore_eos
+                            + (f" (id {as_id})" if as_id is not None else ""))
         refused = not self.model.accepts(len(prompt), max_tokens)
         try:
-            remote = self.scheduler.add(request_id, prompt if isinstance(prompt, (tuple, range)) else list(prompt),
+            remote = self.scheduler.add(request_id if as_id is None else as_id,
+                                        prompt if isinstance(prompt, (tuple, range)) else list(prompt),
                                         max_tokens, ignore_eos)  # a tuple or a range as such: any sequence of ids
         except LearnerError as error:
             if refused and "ValueError" in str(error):
@@ -1687,6 +1691,7 @@ def test_nano_vllm_sizes_match_the_model(impl):
 # num_blocks, block_size, max_num_seqs, max_num_batched_tokens, longest prompt: a small cache and 4 seats (preemption,
 # of the newest of several), and a budget under the prompts' length with 2 seats (chunks, the seat cap)
 STREAM_CONFIGS = {"bs2-6blocks-4seats": (6, 2, 4, 6, 5), "bs3-8blocks-budget4": (8, 3, 2, 4, 10)}
+SHARED_IDS = {"bs3-8blocks-budget4"}  # its requests that arrive before one step share an id: ids are the caller's
 EOS = 0
 MAX_EXAMPLES = 25
 
@@ -1700,7 +1705,7 @@ def streams(longest: int):
                      st.lists(st.integers(0, 4), min_size=1, max_size=12))
 
 
-def play_stream(impl, config: tuple, stream) -> None:
+def play_stream(impl, config: tuple, stream, shared_ids: bool = False) -> None:
     num_blocks, block_size, max_num_seqs, budget, _ = config
     requests, samples = stream
     d = Driver(impl, num_blocks, block_size, max_num_seqs, budget, EOS)
@@ -1718,7 +1723,8 @@ def play_stream(impl, config: tuple, stream) -> None:
         while arrivals and requests[arrivals[0]][3] <= step:
             i = arrivals.pop(0)
             prompt, max_tokens, ignore_eos, _ = requests[i]
-            d.add(i, prompt, min(max_tokens, capacity - len(prompt) + 1), ignore_eos)  # one the cache can hold
+            d.add(i, prompt, min(max_tokens, capacity - len(prompt) + 1), ignore_eos,  # one the cache can hold
+                  as_id=requests[i][3] if shared_ids else None)
         step += 1
         if d.model.finished():
             idle_step(d, "nothing to run until the next arrival")
@@ -1733,4 +1739,5 @@ def play_stream(impl, config: tuple, stream) -> None:
 def test_random_request_streams_match_the_model(impl, seed, config):
     """random request streams (arrivals, shared prefixes, preemption, chunks, eos) keep the rules and match the model"""
     explore(impl, seed, streams(STREAM_CONFIGS[config][4]),
-            lambda stream: play_stream(impl, STREAM_CONFIGS[config], stream), MAX_EXAMPLES, "requests", "scheduler")
+            lambda stream: play_stream(impl, STREAM_CONFIGS[config], stream, config in SHARED_IDS), MAX_EXAMPLES,
+            "requests", "scheduler")
