@@ -11,7 +11,6 @@ and the report names it. On a GPU machine the ranks still run on the CPU with gl
 """
 
 import math
-from collections import namedtuple
 from dataclasses import dataclass, replace
 from functools import cache
 
@@ -24,6 +23,7 @@ from checks.harness.oracles import (
     LayerWeights,
     ModelCase,
     ModelWeights,
+    frozen,
     hf_causal_lm,
     hf_first_layer_keys,
     hf_greedy,
@@ -235,11 +235,6 @@ def expect_shard(got, expected: RankLayer, rank: int, tp: int) -> None:
         elif mine != want or type(mine) is not type(want):  # 2.0 heads equal 2, but split no tensor
             raise Mismatch(f"rank {rank} of {tp}: `{name}` is {mine!r}, expected {want!r}" + (
                 f" ({type(want).__name__}, not {type(mine).__name__}: use // for a count)" if mine == want else ""))
-
-
-def frozen(layer):
-    """A namedtuple of the layer's attributes: the same layer, as an object no one can write to."""
-    return namedtuple(f"Frozen{type(layer).__name__}", vars(layer))(**vars(layer))
 
 
 def shard_words(name: str) -> str:

@@ -5,6 +5,7 @@ from `transformers.models.qwen3.modeling_qwen3`; only their weights are ours. Ru
 gives the "truth" the kit's self-tests use to justify its tolerances.
 """
 
+from collections import namedtuple
 from dataclasses import dataclass, fields, replace
 from functools import cache
 
@@ -264,6 +265,12 @@ class ModelWeights:
             ))
         return cls(embed_tokens=normal(vocab, hidden, std=0.1), layers=tuple(built),
                    norm=1 + normal(hidden, std=0.3), eps=eps, rope_theta=QWEN3_ROPE_THETA, head_dim=head_dim)
+
+
+def frozen(layer):
+    """A namedtuple of a layer's attributes (`Frozen` + its class's name): the same layer, as an object no one can
+    write to, which crosses to the worker as such (what a learner's code keeps on its input is refused there)."""
+    return namedtuple(f"Frozen{type(layer).__name__}", vars(layer))(**vars(layer))
 
 
 def hf_model_config(w: ModelWeights) -> configuration_qwen3.Qwen3Config:
