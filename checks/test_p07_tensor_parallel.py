@@ -712,8 +712,8 @@ def expect_a_chunk_far_in(group, case: ModelCase, shards: list, tp: int) -> None
     far = [[group.make_on(r, "KVCache") for _ in case.w.layers] for r in range(tp)]
     for r in range(tp):
         for layer_cache in far[r]:
-            layer_cache.append(torch.zeros(FAR_START, kvh, case.w.head_dim),
-                               torch.zeros(FAR_START, kvh, case.w.head_dim))
+            group.set_up(layer_cache, "append", torch.zeros(FAR_START, kvh, case.w.head_dim),
+                         torch.zeros(FAR_START, kvh, case.w.head_dim))
     tokens = case.prompt[:2]
     out = group.call("tp_model_forward", [(shards[r], tokens, far[r], True) for r in range(tp)])
     expect_close(only_rank_zero(out, "tp_model_forward"), hf_logits_after_zeros(case.w, tokens, FAR_START),

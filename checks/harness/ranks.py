@@ -122,6 +122,14 @@ class Ranks:
                                                               else a for a in args), {}))
         return obj
 
+    def set_up(self, obj, name: str, *args):
+        """`obj.name(*args)` for an object `make_on` made (state a check sets up, such as a cache filled ahead):
+        recorded with the object as its owner, so that a mutant's replay sets up its own object the same way."""
+        result = getattr(obj, name)(*args)
+        self.guarded.events.append(Call(f"{type(obj).__name__}.{name}", tuple(copy_with_layout(a) if isinstance(
+            a, torch.Tensor) else a for a in args), {}, result, {}, None, owner=id(obj)))
+        return result
+
     def _meet(self, rank: int, name: str, part, deadline: float):
         tensor = part.get("tensor") if isinstance(part, dict) else None
         self.shapes[rank].append((name, tuple(tensor.shape) if isinstance(tensor, torch.Tensor) else None))

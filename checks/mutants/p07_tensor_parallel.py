@@ -19,6 +19,14 @@ MISTAKES = [
         replace('    parts = torch.split(weight, list(part_sizes), dim=0)\n', '    parts = weight.chunk(len(part_sizes), dim=0)\n'),
     ),
     Mistake(
+        "merged-shard-as-one-block",
+        "merged_column_shard slices the fused matrix as one block of rows, ignoring part_sizes",
+        "Shard each part on its own (torch.split by part_sizes, column_shard of each, stacked): one contiguous block "
+        "of the fused rows gives rank 0 only q (or gate) rows and the last rank only v (or up) rows.",
+        replace("    parts = torch.split(weight, list(part_sizes), dim=0)\n    return torch.cat([column_shard(part, rank, world_size) for part in parts])\n",
+                "    return column_shard(weight, rank, world_size)\n"),
+    ),
+    Mistake(
         "qkv-contiguous-slice",
         "the fused qkv sliced as one block of rows, not part by part",
         "Shard q, k and v each on its own and stack the rank's blocks: a contiguous slice of the fused matrix gives rank 0 all the q heads and rank 1 the k and v ones.",
