@@ -1447,11 +1447,8 @@ def test_seeded_requests_do_not_depend_on_the_batch(request, impl, seed):
                            f"from a generator of its own, even when another has the same seed{greedy}", rule)
         engine(impl, hot)
         tokens = hot.outputs[0]
-        again = generate_on(hot.llm, Run(hot.w, hot.prompts, hot.params, hot.config), list(hot.params)).outputs
-        if again != [tokens]:
-            raise Mismatch(f"the seeded request at temperature {HOT:g} gave {tokens}, and {again} when the same engine "
-                           f"was asked again: a request's generator is its own, made when it is added and found by its "
-                           f"request id, whatever the engine served before it", "seeded-own-generator")
+        # a new engine first (seed 0 is a seed: behind another request it draws from its own generator), then the
+        # same engine again (its generator is found by request id, not by its place in the call)
         engine(impl, mixed)
         try:  # ... and the greedy request in front of it stays greedy: its row is one-hot, never drawn at 1
             expect_greedy(request_of(mixed, 0), seed, ONE_HEAD,
@@ -1462,6 +1459,11 @@ def test_seeded_requests_do_not_depend_on_the_batch(request, impl, seed):
             raise Mismatch(f"the seeded request at temperature {HOT:g} gave {tokens} alone and {mixed.outputs[1]} "
                            "behind a greedy request: each row samples at its own temperature (all argmax only when "
                            "every row is greedy)")
+        again = generate_on(hot.llm, Run(hot.w, hot.prompts, hot.params, hot.config), list(hot.params)).outputs
+        if again != [tokens]:
+            raise Mismatch(f"the seeded request at temperature {HOT:g} gave {tokens}, and {again} when the same engine "
+                           f"was asked again: a request's generator is its own, made when it is added and found by its "
+                           f"request id, whatever the engine served before it", "seeded-own-generator")
         engine(impl, squeezed)
         if squeezed.outputs[1] != tokens:
             raise Mismatch(f"the seeded request at temperature {HOT:g} gave {tokens} alone and {squeezed.outputs[1]} "

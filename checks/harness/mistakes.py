@@ -180,38 +180,58 @@ def catalogue(stem: str) -> Catalogue:
 
 
 def identify(events: list, stem: str, tolerance_kind: str, time_limit: float,
-             only: Callable[[str], bool] | None = None, distances: dict | None = None) -> list[Mistake]:
+             only: Callable[[str], bool] | None = None, distances: dict | None = None,
+             failed: bool = False) -> list[Mistake]:
     """The catalogued mistakes (those whose id `only` accepts, when given) whose replay of `events`
     reproduces the learner's outputs. `distances`, when given, gets every replayed mistake's distance from
     the learner's outputs: 0 for those, else the share of the compared values it gets wrong (1 where it
-    crashed or cannot be measured), so a report can rank near misses."""
-    found = []
+    crashed or cannot be measured), so a report can rank near misses.
+
+    `failed`: the events are a failing check's. Then none where the reference's own replay reproduces them: the
+    check failed on a difference finer than the replay's tolerance (a probability of 1e-9 set to 0, say), and
+    every mutant that leaves that code alone would match by accident."""
     key = _inputs_key(events)
     if any(memo[0] != stem for memo in _REPLAYED):
         _REPLAYED.clear()  # a run checks one module after another: keep only this one's replays
+    if failed and _reproduces(events, stem, "reference", _reference(), tolerance_kind, time_limit, key)[0]:
+        return []
+    found = []
     for mistake in catalogue(stem).mistakes:
         if (only is not None and not only(mistake.id)) or not mistake.runs_here():
             continue
-        try:
-            module = catalogue(stem).implementation(mistake).load(stem)
-        except Exception:  # noqa: BLE001 - a stale mutant must not hide the learner's result
-            continue
-        use_standins(module, stem)  # the reference's kernels of the other modules, by PyTorch on a CPU
-        distance = 1.0
-        if key is None:
-            alike = _replays_alike(events, module, tolerance_kind, time_limit)
-        else:  # the mutant's outputs depend on the calls' inputs alone: replay them once per run
-            memo = (stem, mistake.id, time_limit, key)
-            if memo not in _REPLAYED:
-                _REPLAYED[memo] = _replay(events, module, time_limit)
-            alike = _trace_alike(_REPLAYED[memo], events, tolerance_kind)
-            if not alike and distances is not None:
-                distance = _trace_distance(_REPLAYED[memo], events, tolerance_kind)
+        alike, distance = _reproduces(events, stem, mistake.id, catalogue(stem).implementation(mistake),
+                                      tolerance_kind, time_limit, key, distances is not None)
         if alike:
             found.append(mistake)
-        if distances is not None:
-            distances[mistake.id] = 0.0 if alike else distance
+        if distances is not None and alike is not None:
+            distances[mistake.id] = distance
     return found
+
+
+@cache
+def _reference() -> Implementation:
+    return Implementation("solutions", ROOT / "solutions", kind="reference")
+
+
+def _reproduces(events: list, stem: str, name: str, implementation: Implementation, tolerance_kind: str,
+                time_limit: float, key, measure: bool = False) -> tuple[bool | None, float]:
+    """Whether `implementation`'s replay of `events` gives the learner's outputs (None where it does not load),
+    and, with `measure`, its distance from them (0 when it does)."""
+    try:
+        module = implementation.load(stem)
+    except Exception:  # noqa: BLE001 - a stale mutant must not hide the learner's result
+        return None, 1.0
+    use_standins(module, stem)  # the reference's kernels of the other modules, by PyTorch on a CPU
+    if key is None:
+        alike = _replays_alike(events, module, tolerance_kind, time_limit)
+        return alike, 0.0 if alike else 1.0
+    memo = (stem, name, time_limit, key)  # the outputs depend on the calls' inputs alone: replay them once per run
+    if memo not in _REPLAYED:
+        _REPLAYED[memo] = _replay(events, module, time_limit)
+    alike = _trace_alike(_REPLAYED[memo], events, tolerance_kind)
+    if alike or not measure:
+        return alike, 0.0 if alike else 1.0
+    return False, _trace_distance(_REPLAYED[memo], events, tolerance_kind)
 
 
 # (module, mistake, time limit, the calls' inputs) -> what the mutant did with them. Every failing check

@@ -209,7 +209,7 @@ class Reporter:
             own, named_by = label.rsplit(":", 1)[1], only
             only = lambda mistake_id: mistake_id == own and (named_by is None or named_by(mistake_id))  # noqa: E731
         distances: dict[str, float] = {}
-        found = [m.id for m in identify(guarded.events, stem, kind, guarded.time_limit, only, distances)]
+        found = [m.id for m in identify(guarded.events, stem, kind, guarded.time_limit, only, distances, failed=True)]
         self.distances = {k: round(v, 4) for k, v in distances.items()}
         return found
 

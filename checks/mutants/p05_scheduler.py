@@ -43,6 +43,14 @@ MISTAKES = [
         replace('        return not self.waiting and not self.running\n', '        return not self.waiting\n'),
     ),
     Mistake(
+        "is-finished-when-either-empty",
+        "is_finished is True once either queue is empty (or for and)",
+        "The scheduler is finished only when no request waits AND none runs: `not self.waiting and not "
+        "self.running`. With `or` it is finished before the first step (nothing runs yet) and whenever nothing waits.",
+        replace("        return not self.waiting and not self.running\n",
+                "        return not self.waiting or not self.running\n"),
+    ),
+    Mistake(
         "add-slot-for-max-tokens-1",
         "add counts a slot for the one token of a max_tokens-1 request",
         "The last completion token never needs a slot, and with max_tokens 1 it is the only one: count "
@@ -284,6 +292,24 @@ MISTAKES = [
         'a decode step reads the sampled token without popping it, so append adds it a second time',
         'Pop the last token before appending it (token_ids.pop()): postprocess already put it on token_ids, and BlockManager.append adds it again with its slot.',
         replace('            token = request.token_ids.pop()  # sampled last step, still without a slot\n', '            token = request.token_ids[-1]  # sampled last step, still without a slot\n'),
+    ),
+    Mistake(
+        "decode-token-never-popped",
+        "a decode step reads the sampled token without popping it, and puts nothing back when it preempts itself",
+        "Pop the last token before appending it (token_ids.pop()): postprocess already put it on token_ids, and "
+        "BlockManager.append adds it again with its slot. (A request that then preempts itself gets it back.)",
+        chain(replace("            token = request.token_ids.pop()  # sampled last step, still without a slot\n",
+                      "            token = request.token_ids[-1]  # sampled last step, still without a slot\n"),
+              replace("                request.token_ids.append(token)\n                self.preempt(request)",
+                      "                self.preempt(request)")),
+    ),
+    Mistake(
+        "preempts-while-no-free-block",
+        "a decode step preempts while the free list is empty, even when the request's last block has room",
+        "Preempt only while the request cannot have its slot (`not manager.can_append(request)`): a request whose "
+        "last block has room needs no free block, and an empty free list alone is no reason to preempt anyone.",
+        replace("            while not manager.can_append(request) and self.running:\n",
+                "            while not manager.free_block_ids and self.running:\n"),
     ),
     Mistake(
         'decode-seq-cap-off-by-one',

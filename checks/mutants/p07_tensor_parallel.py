@@ -114,6 +114,15 @@ MISTAKES = [
         replace("    dist.all_reduce(mlp_out)\n", ""),
     ),
     Mistake(
+        "mlp-residual-before-reduce",
+        "the MLP's residual added on every rank before the all_reduce after down_proj",
+        "all_reduce down_proj's partial sums first, then add the residual once: added before, it is summed tp times.",
+        replace("    mlp_out = (torch.nn.functional.silu(gate) * up) @ w.down_proj.T  # [T, hidden], this rank's features' part\n"
+                "    dist.all_reduce(mlp_out)\n    return hidden + mlp_out\n",
+                "    out = hidden + (torch.nn.functional.silu(gate) * up) @ w.down_proj.T\n"
+                "    dist.all_reduce(out)\n    return out\n"),
+    ),
+    Mistake(
         "residual-before-reduce",
         "the residual added on every rank before the all_reduce",
         "all_reduce the partial sums first, then add the residual once: added before, it is summed tp times.",
