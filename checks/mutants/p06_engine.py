@@ -380,6 +380,17 @@ MISTAKES = [
         replace("last = meta.cu_seqlens_q[1:].long() - 1", "last = meta.cu_seqlens_q[:-1].long()"),
     ),
     Mistake(
+        "kv-stored-after-attention",
+        "each layer attends before it stores the new tokens' keys and values",
+        "Store first, then attend: store_kvcache writes this step's keys and values into the cache, and the "
+        "attention reads them back from there (a token attends to itself and to the chunk's earlier tokens).",
+        replace("            store_kvcache(k, v, self.k_caches[index], self.v_caches[index], slot_mapping)\n"
+                "            hidden = after(attend(index, q, k, v), hidden,",
+                "            attended = attend(index, q, k, v)\n"
+                "            store_kvcache(k, v, self.k_caches[index], self.v_caches[index], slot_mapping)\n"
+                "            hidden = after(attended, hidden,"),
+    ),
+    Mistake(
         "decode-not-stored",
         "the decode step attends without storing its token's keys and values",
         "store_kvcache comes before paged_decode in every layer: the new token attends to itself too.",
