@@ -1170,11 +1170,6 @@ def test_generate_refuses_a_request_longer_than_max_model_len(impl, seed):
         if none != []:
             raise Mismatch(f"LLM.generate of no prompt with {said} returned {str(none)[:40]}, expected []: one list "
                            f"per prompt, and there is none", "generate-returns-completions")
-    served = refused(lambda: llm.generate([], [Params(max_tokens=2)]), "one-params-per-prompt")
-    if served is not REFUSED:  # a list of one params for no prompt: the lengths differ here too
-        raise Mismatch(f"LLM.generate of no prompt with a list of 1 SamplingParams returned {str(served)[:40]}: a list "
-                       f"gives one params per prompt, so one of another length raises ValueError, no prompt too",
-                       "one-params-per-prompt")
     steps = steps_counted(llm)
     try:  # each request fits on its own (10 + 2, 2 + 12), though the longest prompt with the most tokens would not;
         # the params in a tuple, one per prompt (a tuple of params is a list of them)
@@ -1203,6 +1198,13 @@ def test_generate_refuses_a_request_longer_than_max_model_len(impl, seed):
                        f"gives one params per prompt (one object for every prompt is passed alone, not in a list), so "
                        f"one of another length raises ValueError", "one-params-per-prompt")
     expect_nothing_queued(llm, "2 prompts with a list of 1 SamplingParams", "one-params-per-prompt")
+    # last: a list of one params for no prompt (after the lists of other lengths, so that generate without any check
+    # of the lengths fails there first, and one that repeats a list of one for every prompt fails here)
+    served = refused(lambda: llm.generate([], [Params(max_tokens=2)]), "one-params-per-prompt")
+    if served is not REFUSED:  # a list of one params for no prompt: the lengths differ here too
+        raise Mismatch(f"LLM.generate of no prompt with a list of 1 SamplingParams returned {str(served)[:40]}: a list "
+                       f"gives one params per prompt, so one of another length raises ValueError, no prompt too",
+                       "one-params-per-prompt")
     too_long = random_prompts(gen, SHAPES[ONE_HEAD][0], (17,))[0]
     served = refused(lambda: llm.generate([list(too_long)], [Params(max_tokens=1)]), "refuses-over-max-model-len")
     if served is not REFUSED:  # a prompt longer than max_model_len on its own

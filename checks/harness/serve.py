@@ -635,6 +635,8 @@ class ForkServer:
                 self.control.send(wire.pack(("spawned", self.spawn(*fds[:2]))))
             elif request[0] == "kill":
                 self.control.send(wire.pack(("ended", self.kill(request[1]))))
+            elif request[0] == "abort":
+                self.control.send(wire.pack(("ended", self.abort(request[1]))))
             elif request[0] == "ended":
                 self.tend()
                 self.control.send(wire.pack(("ended", self.ended.get(request[1]))))
@@ -747,6 +749,20 @@ class ForkServer:
                 self.tend()
                 time.sleep(0.002)
         return self.ended.get(pid)
+
+    def abort(self, pid: int) -> str | None:
+        """Stop a worker with SIGABRT, so that Python's fault handler first writes the frames each of its threads
+        was running (where a call that overran its time limit was stuck); killed if it outlives 2 s."""
+        if pid in self.workers:
+            try:
+                os.kill(pid, signal.SIGABRT)
+            except (ProcessLookupError, PermissionError):
+                pass
+            deadline = time.monotonic() + 2
+            while pid in self.workers and time.monotonic() < deadline:
+                self.tend()
+                time.sleep(0.002)
+        return self.kill(pid)
 
     def stop(self) -> None:
         for pid in list(self.workers):

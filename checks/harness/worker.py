@@ -490,11 +490,9 @@ def backend_noise(text: str) -> tuple[str, str]:
     return "".join(kept), f"{backend} said: {said}"
 
 
-def crash_site(dump: str, shown_file, what: str) -> str:
-    """Where the learner's code was when the worker crashed, from the fault handler's `dump`: ` at mine/x.py line 12`
-    (in the call the check made), ` in `f` (mine/x.py line 12)`, or ` in `entry` → `f` (...)` where `f` is a helper of
-    the file `entry` is the way into. The crashing thread's frames, else another thread's; "" where none is the
-    learner's. `shown_file`: a frame's file name -> how reports name it (None outside the learner's folder)."""
+def _learner_frames(dump: str, shown_file) -> list[tuple[str, int, str]]:
+    """The learner's frames (file as shown, line, function; innermost first) in the fault handler's `dump`: the
+    crashing thread's, else another thread's; [] where none is the learner's."""
     threads, frames = [], None
     for line in dump.splitlines():
         if line.startswith(("Current thread", "Thread 0x")):
@@ -504,7 +502,31 @@ def crash_site(dump: str, shown_file, what: str) -> str:
             shown = shown_file(frame["file"])
             if shown is not None:
                 frames.append((shown, int(frame["line"]), frame["function"]))
-    found = next((frames for _, frames in sorted(threads, key=lambda t: t[0]) if frames), None)
+    return next((frames for _, frames in sorted(threads, key=lambda t: t[0]) if frames), [])
+
+
+def hang_site(dump: str, shown_file, home: str, what: str) -> str:
+    """Where a call that overran its time limit was when it was stopped, from the fault handler's `dump`, outermost
+    first: the called function's line in the checked module's own file `home` (its loop), the innermost line of
+    `home`, and the deeper call it was in: ` in `schedule` (mine/p05_scheduler.py line 145) → `preempt` (... line
+    165) → `free` (mine/p01_block_manager.py line 166)`. As `crash_site` where no frame is in `home`; "" where none
+    is the learner's."""
+    found = _learner_frames(dump, shown_file)
+    own = [i for i, (shown, _, _) in enumerate(found) if shown == home]
+    if not own:
+        return crash_site(dump, shown_file, what)
+    called = what.strip("`").rsplit(".", 1)[-1]
+    entry = next((i for i in reversed(own) if found[i][2] == called), own[-1])
+    chain = sorted({entry, own[0], 0}, reverse=True)  # outermost first
+    return " in " + " → ".join(f"`{found[i][2]}` ({found[i][0]} line {found[i][1]})" for i in chain)
+
+
+def crash_site(dump: str, shown_file, what: str) -> str:
+    """Where the learner's code was when the worker crashed, from the fault handler's `dump`: ` at mine/x.py line 12`
+    (in the call the check made), ` in `f` (mine/x.py line 12)`, or ` in `entry` → `f` (...)` where `f` is a helper of
+    the file `entry` is the way into. The crashing thread's frames, else another thread's; "" where none is the
+    learner's. `shown_file`: a frame's file name -> how reports name it (None outside the learner's folder)."""
+    found = _learner_frames(dump, shown_file)
     if not found:
         return ""
     shown, line, function = found[0]  # innermost first
@@ -606,9 +628,10 @@ class Session:
                     return reply
                 wire.send(self.sock, self._serve_callback(reply, callbacks))
         except wire.Timeout:
+            site = self._where_it_hangs(what)
             self.end()
-            raise Overran(f"{what} did not return within {seconds:g} s (an endless loop? on a slow machine, "
-                          "--time-limit gives it longer)") from None
+            raise Overran(f"{what} did not return within {seconds:g} s{f'; it was{site} when stopped' if site else ''} "
+                          f"(an endless loop? on a slow machine, --time-limit gives it longer)") from None
         except (wire.Closed, ConnectionError, BrokenPipeError):
             how = self.server.how_it_ended(self.pid)
             if self.server.oom_kills() > kills:
@@ -628,6 +651,20 @@ class Session:
             if self.stderr is not None:
                 self.stderr.take()
                 self.backend, self.stderr.backend = self.stderr.backend or self.backend, ""
+
+    def _where_it_hangs(self, what: str) -> str:
+        """Where the learner's code was when `what` overran its time limit (` at mine/x.py line 12`, as for a
+        crash), from the frames the worker's fault handler writes as the fork server aborts it; "" where none is the
+        learner's."""
+        try:
+            self.server._ask(("abort", self.pid))
+        except WorkerGone:
+            return ""
+        if self.stderr is None:
+            return ""
+        self.stderr.take()
+        package = Package(*self.spec[:2])
+        return hang_site(self.stderr.dump, package.shown_file, package.shown_path(self.spec[4]), what)
 
     def _serve_callback(self, reply, callbacks):
         codec = self.codec_for(self)

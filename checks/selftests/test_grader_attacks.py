@@ -100,9 +100,10 @@ IN_THE_WORKER = {
     "os-exit-in-a-call": (attack("", both("os._exit(3)")), "exited with status 3"),
     "kills-itself-in-a-call": (attack("", both("os.kill(os.getpid(), signal.SIGTERM)")), "SIGTERM"),
     "segfaults": (attack("", both("import ctypes; ctypes.string_at(0)")), "SIGSEGV"),
-    "hangs-in-python": (attack("", both("while True: pass")), "did not return within"),
+    # stopped at the time limit, the report says the learner's line it was on (line 6: the statement `both` adds)
+    "hangs-in-python": (attack("", both("while True: pass")), "m01_rmsnorm.py line 6) when stopped"),
     "hangs-inside-a-torch-call": (attack("", both("torch.linalg.matrix_power(torch.randn(2500, 2500), 10**9)")),
-                                  "did not return within"),
+                                  "m01_rmsnorm.py line 6) when stopped"),
     "reads-the-callers-frames": (attack("", both("""
         frame = sys._getframe(1)
         while frame is not None:
