@@ -342,6 +342,15 @@ MISTAKES = [
         needs="cuda",
     ),
     Mistake(
+        "prefill-positions-from-row-numbers",
+        "the prefill's positions are the step's rows 0..T-1 instead of each token's position in its request",
+        "Pass p01's `meta.positions` to the model: each request's tokens count from where its chunk starts "
+        "(num_computed_tokens), and a second request of the step starts again from its own.",
+        replace("        hidden = self._forward(meta.input_ids, meta.positions, meta.slot_mapping,",
+                "        positions = torch.arange(len(meta.input_ids), device=device)\n"
+                "        hidden = self._forward(meta.input_ids, positions, meta.slot_mapping,"),
+    ),
+    Mistake(
         "rope-positions-from-zero",
         "RoPE angles from the step's rows 0..T-1 instead of the tokens' positions",
         "Rotate by p01's `positions`: a chunk starts at num_computed_tokens, a decode token sits at len(seq) - 1.",

@@ -72,6 +72,14 @@ MISTAKES = [
                 "num_heads=H / world_size, num_kv_heads=KVH / world_size"),
     ),
     Mistake(
+        "gate-up-fused-up-first",
+        "shard_layer fuses up before gate, so each rank's gate_up_proj holds its up rows first",
+        "Fuse gate first, then up (torch.cat([gate_proj, up_proj])): the layer takes the first half of the rank's "
+        "fused output as gate, which SiLU takes, and the second as up.",
+        replace("    gate_up = torch.cat([layer.gate_proj, layer.up_proj])  # [2*I, hidden]\n",
+                "    gate_up = torch.cat([layer.up_proj, layer.gate_proj])  # [2*I, hidden]\n"),
+    ),
+    Mistake(
         'gate-up-swapped',
         "the rank's fused gate/up output split as (up, gate)",
         "The shard stacks the rank's gate rows first, then its up rows: the first half is gate, which SiLU takes; the second is up.",
