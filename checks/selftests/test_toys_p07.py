@@ -26,11 +26,15 @@ ON_THE_TOY = {"qkv-contiguous-slice", "gate-up-contiguous-slice", "heads-not-div
               "embedding-not-masked", "gather-out-of-order", "kv-heads-not-divided", "embedding-block-at-zero",
               "gate-up-swapped", "row-shard-start-not-scaled", "norm-before-reduce", "embedding-not-reduced",
               "merged-parts-equal", "mlp-residual-from-normed", "lm-head-slice-on-other-ranks",
-              "attention-reads-unnormed", "gather-slices-aliased", "head-counts-as-floats"}
+              "attention-reads-unnormed", "gather-slices-aliased", "head-counts-as-floats", "merged-shard-as-one-block",
+              "mlp-residual-before-reduce", "gate-up-fused-up-first"}
 # A number each Pitfalls entry quotes, which the book's run of the mistake must show.
 QUOTED = {
     "column-shard-unchecked": "[0], [1], [2], [3]",
     "merged-parts-equal": "[0, 1, 2, 6, 7, 8, 12, 13]",
+    "merged-shard-as-one-block": "[0, 1, 2, 3]",
+    "gate-up-fused-up-first": "[4, 5, 0, 1]",
+    "mlp-residual-before-reduce": "[1.3631, -0.8392, 1.3738, -5.2916]",
     "qkv-contiguous-slice": "[0, 1, 2, 3, 4, 5, 6, 7]",
     "gate-up-contiguous-slice": "[4, 5, 6, 7]",
     "heads-not-divided": "[4, 2]",
