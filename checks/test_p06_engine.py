@@ -557,6 +557,18 @@ def expect_tiny_temperature_splits_a_tie(impl, row: torch.Tensor) -> None:
                        f"each at tokens {list(TIED_AT_THE_TOP)}: only temperature 0 is greedy; any other temperature "
                        f"divides the logits as it is given (no floor), and logits tied stay tied",
                        "temperature-divides")
+    # ... and a runner-up NEAR_GAP below the tie (logits near 0, so float32 keeps the gap): e^-10 of each tied one at
+    # 1e-6, but e^-1 under a floor of 1e-5
+    near = torch.full_like(tied, -1000.0)
+    near[0, TIED_AT_THE_TOP], near[0, RUNNER_UP] = 0.0, -NEAR_GAP
+    args = (near, *args[1:])
+    expected = expected_probabilities(*args)
+    got = impl.probabilities(*(t.clone() for t in args))
+    if not torch.allclose(got.double(), expected, atol=1e-6):
+        raise Mismatch(f"a row at temperature {TINY_TEMPERATURE:g} whose runner-up (token {RUNNER_UP}) is {NEAR_GAP:g} "
+                       f"below two tied logits gives it {got[0, RUNNER_UP].item():.3g}, expected "
+                       f"{expected[0, RUNNER_UP].item():.3g} (e^-10 of each tied one): any temperature above 0 divides "
+                       f"the logits as it is given, however small (no floor)", "temperature-divides")
 
 
 def placed(gen: torch.Generator, values: list[float], V: int = SAMPLER_VOCAB) -> tuple[torch.Tensor, list[int]]:
@@ -640,6 +652,7 @@ def expect_greedy_at_the_logits_argmax(impl) -> None:
 
 TIED_AT_THE_TOP = (4, 9)
 RUNNER_UP, RUNNER_UP_GAP = 2, 0.01  # a floor on the temperature (0.01, as some engines clamp it) gives it e^-1 of each
+NEAR_GAP = 1e-5  # ten tiny temperatures: a floor of 1e-5 on the temperature gives the runner-up e^-1 of each, not e^-10
 
 
 def expect_kept(got, expected, logits, temperature, top_k, top_p, batch: str = "", impl=None) -> None:
