@@ -163,6 +163,8 @@ CLAIMS = [
           r"temperature 为 (?P<n>[\d.e+-]+)、最大的两个 logit 相等"),
     Claim("p06_engine", "... 0.01 above the next", "RUNNER_UP_GAP", lambda m: m.RUNNER_UP_GAP,
           r"logits tie, (?P<n>[\d.]+) above the next", r"比第三大的高 (?P<n>[\d.]+) 的一行"),
+    Claim("p06_engine", "... a runner-up only 1e-5 below such a tie", "NEAR_GAP", lambda m: m.NEAR_GAP,
+          r"a runner-up only (?P<n>[\d.e+-]+) below such a tie", r"只比这两个相等的 logit 低 (?P<n>[\d.e+-]+) 的第三个"),
     Claim("p06_engine", "a seeded request at temperature 1000", "HOT", lambda m: m.HOT,
           r"At temperature (?P<n>\d+), where every token", r"在 temperature (?P<n>\d+) 下，每个 token"),
     Claim("p06_engine", "its 5 tokens must not all be the same", "HOT_TOKENS", lambda m: m.HOT_TOKENS,
