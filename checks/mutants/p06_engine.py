@@ -342,6 +342,15 @@ MISTAKES = [
         needs="cuda",
     ),
     Mistake(
+        "graph-padding-slots-left",
+        "the decode graph's slot buffer not filled again, so a padding row keeps the slot a larger step left in it",
+        "Fill the whole slot buffer with -1 at every replay, then copy the batch's slots in: after a step of 4 "
+        "through the graph of 4, a step of 3 leaves row 3 holding the fourth request's slot, and the replay stores "
+        "the padding row's key and value over that request's token.",
+        replace('buffers["slot_mapping"].fill_(-1)[:B]', 'buffers["slot_mapping"][:B]'),
+        needs="cuda",
+    ),
+    Mistake(
         "prefill-positions-from-row-numbers",
         "the prefill's positions are the step's rows 0..T-1 instead of each token's position in its request",
         "Pass p01's `meta.positions` to the model: each request's tokens count from where its chunk starts "
