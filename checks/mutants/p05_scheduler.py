@@ -274,6 +274,15 @@ MISTAKES = [
         replace('        if scheduled:\n            return scheduled, True\n', '        if self.waiting:\n            return scheduled, True\n'),
     ),
     Mistake(
+        "allocation-failure-returns",
+        "schedule returns the prefill step as soon as the first waiting request cannot get its blocks, an empty one "
+        "when nothing was prefilled",
+        "When can_allocate says no, end the prefill loop (break), do not return from it: a step that prefilled "
+        "nothing goes on to the decode half, whose running requests free blocks as they finish.",
+        replace("                if not manager.can_allocate(request):\n                    break\n",
+                "                if not manager.can_allocate(request):\n                    return scheduled, True\n"),
+    ),
+    Mistake(
         "prefill-and-decode-mixed",
         "a prefill step also decodes the running requests",
         "When anything was prefilled, return `(prefilled, True)` at once: a step is either prefill or decode, "
