@@ -157,7 +157,9 @@ class Scheduler:
     def preempt(self, request: Request) -> None:
         """Take a running request out: free its blocks (its K/V is lost and recomputed later, possibly
         through the prefix cache), set `num_computed_tokens` and `num_scheduled_tokens` back to 0 and its
-        `status` back to WAITING, and put it on the LEFT of `waiting`, so it is the first to come back."""
+        `status` back to WAITING, and put it on the LEFT of `waiting`, so it is the first to come back.
+        It leaves `running` alone: the caller has taken the request off it (the decode loop's
+        `running.pop()`), or takes it off itself."""
         self.block_manager.free(request)
         request.num_computed_tokens = 0
         request.num_scheduled_tokens = 0

@@ -662,7 +662,8 @@ class LLM:
         Args:
             prompts: token ids, one list per request (not modified).
             sampling_params: one object with `SamplingParams`' attributes for every request, or a list
-                (or a tuple) of them, one per prompt.
+                (or a tuple) of them, one per prompt. Any list or tuple is read as one per prompt, so a
+                params object must not itself be one (a namedtuple).
 
         Returns:
             `outputs[i]`: request i's sampled tokens (its stop token included when it stopped on one), one
