@@ -1381,6 +1381,35 @@ HOT_TOKENS = 5
 TWIN_TOKENS = (HOT_TOKENS, HOT_TOKENS - 1)  # two requests without a seed, of one prompt, in one batch
 
 
+RACE_SLACK = 1e-3  # at temperature HOT float16's logits move a token's probability by 3e-5 of itself at most
+
+
+def expect_race_of_its_seed(run: Run, seed: int) -> None:
+    """The seeded request's tokens are the exponential race its seed fixes: token k is argmax(probs / noise), its
+    noise the k-th row `exponential_` draws from torch.Generator(device).manual_seed(seed), probs HF's at the
+    request's temperature given the tokens before it (a ratio within RACE_SLACK of the best one is accepted)."""
+    p, tokens = run.params[0], run.outputs[0]
+    model = hf64(seed, ONE_HEAD)
+    own = torch.Generator(device=DEVICE).manual_seed(p.seed)
+    ids = list(run.prompts[0])
+    for k, token in enumerate(tokens):
+        with torch.no_grad():
+            logits = model(torch.tensor(ids)[None], use_cache=False).logits[0, -1]  # [V] float64
+        probs = torch.softmax(logits / p.temperature, dim=-1)
+        noise = torch.empty(probs.shape[0], device=DEVICE).exponential_(generator=own).cpu().double()  # [V] Exp(1)
+        ratio = probs / noise
+        best = int(ratio.argmax())
+        if not 0 <= token < len(ratio) or ratio[token] < ratio[best] * (1 - RACE_SLACK):
+            got = f"id {token}" + (f" (probs / noise {float(ratio[token]):.4g})" if 0 <= token < len(ratio) else "")
+            raise Mismatch(f"the request with seed {p.seed} at temperature {p.temperature:g} drew {tokens}: its token "
+                           f"{k + 1} is {got}, but its own generator's draw {k + 1} (torch.Generator(device)."
+                           f"manual_seed({p.seed}), one `noise[b].exponential_(generator=own)` row per token) makes it "
+                           f"id {best} (probs / noise {float(ratio[best]):.4g}): a token is argmax(probs / noise), the "
+                           f"noise Exp(1) draws of the request's own generator, one row of V per token it keeps",
+                           "exponential-race")
+        ids.append(token)
+
+
 SQUEEZED_BLOCKS = 4  # the seeded request behind a greedy one, both of 5 tokens at most: it is preempted once
 
 
@@ -1546,6 +1575,7 @@ def test_seeded_requests_do_not_depend_on_the_batch(request, impl, seed):
             raise Mismatch(f"the same requests without a seed, asked of one engine twice, gave {second} both times: "
                            f"the engine's generator goes on from one generate to the next, it is seeded once, by "
                            f"__init__", "seeded-own-generator")
+        expect_race_of_its_seed(hot, seed)
 
     with_blame(request, impl, scenario)
 
