@@ -31,7 +31,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from checks.harness.report import Result, rank_mistakes, rank_rules
+from checks.harness.report import Result, plain_causes, rank_mistakes, rank_rules
 
 KIT = Path(__file__).resolve().parent.parent
 MISTAKES = KIT / "checks" / "selftests" / "independent"
@@ -81,6 +81,8 @@ def judge(mistake: Path) -> tuple[str, list[str], str]:
     if named:
         return "named", named, stem
     rules = [f"rule:{rule}" for rule in rank_rules(results)]
+    if plain_causes(results):  # the report says the contract breach first, then the rules
+        return "cause", ["(cause)", *rules], stem
     if rules:
         return "rule", rules, stem
     if any(CAUSES.search(r["reason"]) for r in rows if r["status"] == "failed"):

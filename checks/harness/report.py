@@ -332,6 +332,15 @@ def render(results: list[Result], seed: int, seconds: float, file=None, selectio
             indented(f"[dim]More: ./check.sh {name} --hint 2 (or exercises/{stem}.md › Pitfalls); in the book "
                      f"(./check.sh book): .kvlab/book/{stem}.html#pitfall-{first}[/]", 2)
         broken = rank_rules(rows) if not ranking else []
+        causes = plain_causes(rows) if not ranking else []
+        if causes:
+            console.print()
+            console.print("[bold yellow]Fix this first:[/]")
+            for cause in causes[:SHOWN_MISTAKES]:
+                indented(escape(cause), 2)
+            then = " (the rules below may only follow from it)" if broken else ""
+            indented(f"[dim]a result against its function's contract (the docstring's shape and dtype, new tensors, "
+                     f"inputs left as they were) fails every check that uses it{then}[/]", 2)
         if broken:
             console.print()
             console.print("[bold yellow]The rule your code breaks:[/]" if len(broken) == 1 else
@@ -361,6 +370,22 @@ def render(results: list[Result], seed: int, seconds: float, file=None, selectio
 
 
 SHOWN_MISTAKES = 2  # known mistakes named for a module (and for a case): the best-matching ones
+# A failing case's reason that says a call of the checked code returned what its contract rules out (a shape, a
+# dtype, not a tensor, a view of an input) or changed an input in place: guard.py's and serve.py's own words
+CONTRACT_CAUSE = re.compile(r"^(rank \d+: )?`[^`]+` (returned (\(item \d+\) )?(shape \[|a \w+, expected a tensor|"
+                            r"\w+, expected \w+ \()|returned one of its inputs|changed its input)")
+
+
+def plain_causes(rows: list[Result]) -> list[str]:
+    """The contract breaches the failing cases report (the reason before its notes), in the report's order: said
+    before any rule, since every check that uses such a result fails with it."""
+    found: list[str] = []
+    for r in rows:
+        head = r.reason.split(" · ")[0]
+        if r.status == "failed" and CONTRACT_CAUSE.match(head) and head not in found:
+            found.append(head)
+    return found
+
 
 
 def rank_mistakes(rows: list[Result]) -> list[str]:

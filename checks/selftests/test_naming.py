@@ -32,6 +32,16 @@ def test_a_shard_returned_as_a_view_names_no_mistake_and_says_why(tmp_path):
     assert "looks like" not in out and "matches a known mistake" not in out
 
 
+def test_a_result_of_the_wrong_dtype_is_said_first_before_the_rules_it_makes_others_break(tmp_path):
+    """`sample` returning the race's winning values instead of their indices: its own checks say the dtype, the
+    engine's checks then break rules only because of it, so the report says the dtype first, as what to fix."""
+    out = checked(tmp_path, "p06_engine", "    return (probs / noise).argmax(dim=-1)\n",
+                  "    return (probs / noise).max(dim=-1)[0]\n", "-k", "sample or seeded")
+    assert "Fix this first: `sample` returned float32, expected int64 ([B] int64)" in out
+    assert out.index("Fix this first") < out.index("The rule")
+    assert "looks like" not in out
+
+
 def test_an_input_changed_in_place_by_a_call_that_makes_collectives_is_said_on_its_rank(tmp_path):
     """A rank's call that adds into its input while it meets the other ranks in all_reduces: the input changed in
     place is the reason given (the collectives' replies must not hide which of the call's inputs were written)."""
