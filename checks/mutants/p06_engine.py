@@ -101,6 +101,13 @@ MISTAKES = [
         replace('    if bool((top_k > 0).any() | (top_p < 1).any()):', '    if bool((top_k > 0).any()):'),
     ),
     Mistake(
+        "masks-only-when-both",
+        "the masks run only when some row asks for top-k AND some row for top-p (& for |)",
+        "Sort and mask when any row asks for top-k OR any row for top-p: a batch that asks for only one of them "
+        "needs that one's mask all the same.",
+        replace('    if bool((top_k > 0).any() | (top_p < 1).any()):', '    if bool((top_k > 0).any() & (top_p < 1).any()):'),
+    ),
+    Mistake(
         "top-k-drops-ties",
         "top-k keeps exactly k tokens, dropping those tied with the k-th largest logit",
         "Keep every token whose logit is at least the k-th largest: with a tie at that value, more than k stay "
