@@ -1469,7 +1469,14 @@ def test_seeded_requests_do_not_depend_on_the_batch(request, impl, seed):
 
     def greedy_row_cause(impl) -> str:
         """Why the greedy request beside a sampled one lost its tokens: its row's temperature, or the draw? A row at
-        temperature 1 with top_k 1 beside it keeps one token, so a right draw gives it the greedy tokens too."""
+        temperature 1 with top_k 1 beside it keeps one token, so a right draw gives it the greedy tokens too. First,
+        the two prompts both greedy: an all-greedy step draws nothing, so a wrong token there is the logits' doing."""
+        both = engine(impl, Run(mixed.w, mixed.prompts, [Params(max_tokens=HOT_TOKENS)] * 2, Config()))
+        try:
+            expect_greedy(both, seed, ONE_HEAD, "the same two prompts, both greedy")
+        except Mismatch as wrong:
+            raise Mismatch(f"{wrong}: an all-greedy step draws nothing, so its logits are wrong: each request's row is "
+                           f"the one of its own last computed token", "runner-computes-the-model") from None
         probe = engine(impl, Run(mixed.w, mixed.prompts[:1] * 2, [Params(max_tokens=HOT_TOKENS),
                                                                  Params(temperature=1.0, top_k=1,
                                                                         max_tokens=HOT_TOKENS)], Config()))
