@@ -387,7 +387,6 @@ def plain_causes(rows: list[Result]) -> list[str]:
     return found
 
 
-
 def rank_mistakes(rows: list[Result]) -> list[str]:
     """The known mistakes the rows' failures reproduce, best first: by how many failing checks each reproduces,
     then how close its outputs come to the learner's on the failing cases it does not reproduce (the share of
