@@ -1388,14 +1388,13 @@ def expect_race_of_its_seed(run: Run, seed: int) -> None:
     """The seeded request's tokens are the exponential race its seed fixes: token k is argmax(probs / noise), its
     noise the k-th row `exponential_` draws from torch.Generator(device).manual_seed(seed), probs HF's at the
     request's temperature given the tokens before it (a ratio within RACE_SLACK of the best one is accepted)."""
-    p, tokens = run.params[0], run.outputs[0]
-    model = hf64(seed, ONE_HEAD)
+    p, prompt, tokens = run.params[0], list(run.prompts[0]), run.outputs[0]
     own = torch.Generator(device=DEVICE).manual_seed(p.seed)
-    ids = list(run.prompts[0])
+    fed = tokens[: next((k for k, t in enumerate(tokens) if not 0 <= t < SHAPES[ONE_HEAD][0]), len(tokens))]
+    with torch.no_grad():  # one causal forward: row k is HF's after the prompt and the first k tokens (those in range)
+        logits = hf64(seed, ONE_HEAD)(torch.tensor([prompt + fed]), use_cache=False).logits[0, len(prompt) - 1 :]
     for k, token in enumerate(tokens):
-        with torch.no_grad():
-            logits = model(torch.tensor(ids)[None], use_cache=False).logits[0, -1]  # [V] float64
-        probs = torch.softmax(logits / p.temperature, dim=-1)
+        probs = torch.softmax(logits[k] / p.temperature, dim=-1)  # [V] float64
         noise = torch.empty(probs.shape[0], device=DEVICE).exponential_(generator=own).cpu().double()  # [V] Exp(1)
         ratio = probs / noise
         best = int(ratio.argmax())
@@ -1407,7 +1406,6 @@ def expect_race_of_its_seed(run: Run, seed: int) -> None:
                            f"id {best} (probs / noise {float(ratio[best]):.4g}): a token is argmax(probs / noise), the "
                            f"noise Exp(1) draws of the request's own generator, one row of V per token it keeps",
                            "exponential-race")
-        ids.append(token)
 
 
 SQUEEZED_BLOCKS = 4  # the seeded request behind a greedy one, both of 5 tokens at most: it is preempted once
