@@ -1421,6 +1421,11 @@ def test_preempted_requests_come_back_first_and_are_recomputed(impl):
     if scheduled != 0:
         d.fail(f"preempt(A), called after schedule() gave A 3 tokens, left A's num_scheduled_tokens {scheduled}, "
                f"expected 0: preempt resets it with num_computed_tokens and the status", "preempt-resets")
+    table = d.read(d.remotes["A"], "block_table", "A")
+    if table:
+        d.fail(f"preempt(A), called after schedule() gave A its blocks and 3 tokens (none computed yet), left A's "
+               f"block_table {table}, expected []: preempt frees the request's blocks whatever it has computed "
+               f"(blocks taken this step hold nothing yet, but are still the request's)", "preempt-resets")
     waiting = d.queue("waiting")
     if waiting != ["A", "B"]:  # before its first token too: a preempted request comes back first
         d.fail(f"preempt(A), called after schedule() prefilled A (no token sampled yet), left waiting {ids(waiting)}, "

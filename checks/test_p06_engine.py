@@ -395,7 +395,7 @@ def test_toy_probabilities(impl, row):
         expect_close(got[0], torch.tensor(spec["probabilities"]), tolerance("sampler", torch.float32),
                      f"probabilities of toy row {row} ({spec['why']})")
     except Mismatch as failure:
-        raise Mismatch(str(failure), mask_rule(logits, *setting, got, 0)) from None
+        raise Mismatch(str(failure), mask_rule(logits, *setting, got, 0, impl)) from None
 
 
 def test_toy_sample(impl):
@@ -752,8 +752,12 @@ def mask_rule(logits, temperature, top_k, top_p, got, b: int, impl=None) -> str:
             alone = top_k_alone > 0
             if p >= 1 or ((mine > 0) & ~alone).any():
                 return "top-k-keeps-ties"
-        elif (mine > 0).any() and bool((row[mine > 0] == row.max()).all()):
-            return "top-k-keeps-ties"  # top_k 0 keeps every token: this row kept only its largest logit
+        elif (mine > 0).any() and bool((row[mine > 0] == row.max()).all()) and \
+                (p >= 1 or impl is None or top_k_drops_some(impl, logits[b], t)):
+            return "top-k-keeps-ties"  # top_k 0 keeps every token: this row kept only its largest logit (with a
+            # top_p below 1, only where a top-k mask alone drops tokens of the row too)
+        elif p >= 1 and impl is not None and top_k_drops_some(impl, logits[b], t):
+            return "top-k-keeps-ties"  # top_k 0 and top_p 1 keep every token, and a top-k mask alone drops some
         return "top-p-smallest-set" if p < 1 else "probabilities-by-definition"
     if abs(float(mine.sum()) - 1) > 1e-4:
         return "renormalised"
