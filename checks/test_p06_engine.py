@@ -94,7 +94,10 @@ UNNAMED = {"test_first_token_follows_the_distribution", "test_engine_loads_a_loc
 # (prompts, tokens, lengths, the cache and its blocks); another (a temperature refused) is a plain error
 LENGTH_REFUSAL = (r"^`LLM\.generate` raised ValueError: [^(]*\b(prompts?|tokens?|len\w*|long\w*|cache|blocks?|"
                   r"max_model_len|max_tokens)\b")
-REASON_RULES = {LENGTH_REFUSAL: "refuses-over-max-model-len"}
+# ... unless its own words are of the params (a count of params against prompts: one params object is every
+# prompt's), asked first
+PARAMS_REFUSAL = r"^`LLM\.generate` raised ValueError: [^(]*(params|Params)\b"
+REASON_RULES = {PARAMS_REFUSAL: "one-params-per-prompt", LENGTH_REFUSAL: "refuses-over-max-model-len"}
 # Checks that name only some mistakes: the engine on two ranks is replayed for the mistakes of its
 # tensor-parallel branch alone (every other one is named by a check on one rank).
 NAMED_BY = {"test_two_ranks_give_the_tokens_of_one": lambda mistake_id: mistake_id.startswith("tp-"),

@@ -476,7 +476,8 @@ def test_shard_layer_refuses_kv_heads_that_do_not_divide(impl, gen):
 def test_shard_model(impl, gen):
     """shard_model gives each rank its vocabulary rows, every layer's shard and the whole final norm, and refuses a
     vocabulary the ranks do not divide"""
-    w = random_weights(gen, "H4-KVH2")
+    # another norm eps and RoPE base than Qwen3's 1e-6 and 1e6: a TPWeights that holds Qwen3's constants is wrong here
+    w = replace(random_weights(gen, "H4-KVH2"), eps=1e-3, rope_theta=1e4)
     V = w.embed_tokens.shape[0]
     for rank, tp in ((0, 1), (0, 2), (1, 2)):  # one rank too: its TPWeights holds the whole model, fused
         shard = impl.shard_model(w, rank, tp)
@@ -499,8 +500,9 @@ def test_shard_model(impl, gen):
             mine, want = attribute(shard, name), getattr(w, name)
             same = torch.equal(mine, want) if isinstance(want, torch.Tensor) else mine == want
             if not same:
-                raise Mismatch(f"rank {rank}'s `{name}` differs from the model's (every rank holds it whole, not "
-                               f"split)")
+                shown = f" ({mine}, expected {want})" * (name in ("eps", "rope_theta", "head_dim"))
+                raise Mismatch(f"rank {rank}'s `{name}` differs from the model's{shown}: every rank holds it whole, "
+                               f"not split, as the model gives it (this model's eps is 1e-3 and RoPE base 1e4)")
     V, hidden, intermediate, L, H, KVH, D = SHAPES["H4-KVH2"]
     odd = ModelWeights.random(gen, V - 1, hidden, intermediate, 1, H, KVH, D)  # a vocabulary 2 ranks cannot split
     expect_value_error(lambda: impl.shard_model(odd, 0, 2), f"shard_model of a vocabulary of {V - 1} over 2 ranks")
