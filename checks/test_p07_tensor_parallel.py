@@ -587,11 +587,17 @@ def test_collectives(impl, seed):
     for rank, names in enumerate(group.collectives):
         body, last = names[:-1], names[-1:]
         if body != ["all_reduce"] * (LAYER_ALL_REDUCES * L + 1) or last not in (["gather"], ["all_gather"]):
+            # a layer's own collectives are right (above): whole layers' all_reduces and the gather, but for another
+            # number of layers, is the model walking other layers than its own, not a layer's step
+            layers = (len(body) - 1) / LAYER_ALL_REDUCES
+            walked = body == ["all_reduce"] * len(body) and layers.is_integer() and last in (["gather"], ["all_gather"])
             raise Mismatch(f"one tp_model_forward call ({L} layers) made {count_words(names)} on rank {rank}: "
                            f"expected {LAYER_ALL_REDUCES * L + 1} all_reduce (the embedding, then "
-                           f"{LAYER_ALL_REDUCES} per layer) and one gather",
+                           f"{LAYER_ALL_REDUCES} per layer) and one gather"
+                           + f" (the collectives of {int(layers)} layer{'s' * (layers != 1)}: walk every layer of the model, with or "
+                             f"without caches)" * walked,
                            # the layers' all_reduces right, the LM head's gather missing: the model's step, not a layer's
-                           "model-forward" if names == ["all_reduce"] * (LAYER_ALL_REDUCES * L + 1) else "")
+                           "model-forward" if names == ["all_reduce"] * (LAYER_ALL_REDUCES * L + 1) or walked else "")
 
 
 @pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES.keys())
