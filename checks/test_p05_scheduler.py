@@ -810,7 +810,8 @@ class Driver:
         for field, got, want in (("waiting", waiting, [r.name for r in model.waiting]),
                                  ("running", running, [r.name for r in model.running])):
             if got != want:
-                self.fail(f"{where}: {field} is {ids(got)}, expected {ids(want)}", self.queue_rule(field, got, want))
+                self.fail(f"{where}: {field} is {ids(got)}, expected {ids(want)}",
+                          self.queue_rule(field, got, want, free))
         if free != model.cache.free:
             early = [name for name in waiting if not self.models[name].table and name not in self.facts.preempted
                      and live[name].table] if sorted(free) != sorted(model.cache.free) else []
@@ -964,7 +965,9 @@ class Driver:
         running = self.queue("running")
         return [n for n, _ in want if n not in names and n in self.before["waiting"] and n in running]
 
-    def queue_rule(self, field: str, got: list[str], want: list[str]) -> str:
+    def queue_rule(self, field: str, got: list[str], want: list[str], free: list[int] | None = None) -> str:
+        """The rule a queue that differs from the model's breaks; `free`, the manager's free list in order, where read
+        (the order the victims of a step gave their blocks back in)."""
         f = self.facts
         twice = [name for i, name in enumerate(got) if name in got[:i]]
         if twice:  # a request queued again where it stood already
@@ -977,7 +980,9 @@ class Driver:
             i = next(i for i, (a, b) in enumerate(zip(got, want)) if a != b)
             k = len(f.preempted)
             if field == "waiting" and k > 1 and set(got[:k]) == set(want[:k]) == f.preempted:
-                return "preempt-the-newest"  # every victim put back first, in another order: taken in another order
+                # every victim put back first, in another order: taken in another order, unless their blocks came
+                # back in the model's order (taken in that order, then queued in another by preempt)
+                return "preempted-come-back-first" if free == self.model.cache.free else "preempt-the-newest"
             if want[i] in f.chunked:  # the model's chunk stands first; here another request is ahead of it
                 return "a-chunk-stays-first"
             return "preempted-come-back-first" if {got[i], want[i]} & f.preempted else "waiting-in-order"
