@@ -212,8 +212,12 @@ def engine(impl, run: Run) -> Run:
 
 def borrowed_length(run: Run, outputs: list, i: int) -> int | None:
     """The request whose max_tokens request `i`'s wrong length and every other completion's length are (each no
-    longer, the lender's and `i`'s exactly): one params object served to every prompt. None where there is none."""
+    longer, the lender's and `i`'s exactly), where some request is longer than its own max_tokens: one params
+    object served to every prompt (a loop that stops when the first request finishes cuts, but lengthens none).
+    None where there is none."""
     lengths = [len(o) if isinstance(o, list) else -1 for o in outputs]
+    if not any(m > q.max_tokens for m, q in zip(lengths, run.params)):
+        return None
     for j in reversed(range(len(run.params))):  # the last: a loop variable left over is the last item
         n = run.params[j].max_tokens
         if j != i and n == lengths[i] and lengths[j] == n and all(0 <= m <= n for m in lengths) and \
