@@ -220,8 +220,7 @@ def borrowed_length(run: Run, outputs: list, i: int) -> int | None:
         return None
     for j in reversed(range(len(run.params))):  # the last: a loop variable left over is the last item
         n = run.params[j].max_tokens
-        if j != i and n == lengths[i] and lengths[j] == n and all(0 <= m <= n for m in lengths) and \
-                len({q.max_tokens for q in run.params}) > 1:
+        if j != i and n == lengths[i] and lengths[j] == n and all(0 <= m <= n for m in lengths):
             return j
     return None
 

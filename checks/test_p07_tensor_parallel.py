@@ -502,7 +502,8 @@ def test_shard_model(impl, gen):
             if not same:
                 shown = f" ({mine}, expected {want})" * (name in ("eps", "rope_theta", "head_dim"))
                 raise Mismatch(f"rank {rank}'s `{name}` differs from the model's{shown}: every rank holds it whole, "
-                               f"not split, as the model gives it (this model's eps is 1e-3 and RoPE base 1e4)")
+                               f"not split, as the model gives it (this model's eps is {w.eps:g} and RoPE base "
+                               f"{w.rope_theta:g}, not Qwen3's)")
     V, hidden, intermediate, L, H, KVH, D = SHAPES["H4-KVH2"]
     odd = ModelWeights.random(gen, V - 1, hidden, intermediate, 1, H, KVH, D)  # a vocabulary 2 ranks cannot split
     expect_value_error(lambda: impl.shard_model(odd, 0, 2), f"shard_model of a vocabulary of {V - 1} over 2 ranks")
@@ -590,12 +591,13 @@ def test_collectives(impl, seed):
             # a layer's own collectives are right (above): whole layers' all_reduces and the gather, but for another
             # number of layers, is the model walking other layers than its own, not a layer's step
             layers = (len(body) - 1) / LAYER_ALL_REDUCES
-            walked = body == ["all_reduce"] * len(body) and layers.is_integer() and last in (["gather"], ["all_gather"])
+            walked = body == ["all_reduce"] * len(body) and layers.is_integer() and \
+                last in (["gather"], ["all_gather"])
             raise Mismatch(f"one tp_model_forward call ({L} layers) made {count_words(names)} on rank {rank}: "
                            f"expected {LAYER_ALL_REDUCES * L + 1} all_reduce (the embedding, then "
                            f"{LAYER_ALL_REDUCES} per layer) and one gather"
-                           + f" (the collectives of {int(layers)} layer{'s' * (layers != 1)}: walk every layer of the model, with or "
-                             f"without caches)" * walked,
+                           + f" (the collectives of {int(layers)} layer{'s' * (layers != 1)}: walk every layer of "
+                             f"the model, with or without caches)" * walked,
                            # the layers' all_reduces right, the LM head's gather missing: the model's step, not a layer's
                            "model-forward" if names == ["all_reduce"] * (LAYER_ALL_REDUCES * L + 1) or walked else "")
 
