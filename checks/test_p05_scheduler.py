@@ -348,6 +348,7 @@ class Driver:
         self.scheduled_tables: dict[str, list[int]] = {}  # the batch's block tables between schedule and postprocess
         self.last_batch: list[tuple[str, int]] = []
         self.before: dict[str, list[str]] = {"waiting": [], "running": []}  # the queues when the step began
+        self.free_before: set[int] = set()  # the model's free blocks when the step began
         self.title = ""  # "scenario '...', " for a toy
         self.facts = Facts(True, set(), {}, set(), set())
         self.cached_at_admission: dict[str, int] = {}  # name -> the num_cached_tokens its last allocate set
@@ -399,6 +400,7 @@ class Driver:
         holding = {r.name for r in self.model.waiting if r.table}
         self.holding = holding
         free_before = set(self.model.cache.free)
+        self.free_before = free_before
         before = copy.deepcopy(self.model)  # for a step that tries to allocate a request without room
         expected, expected_prefill = self.model.schedule()
         self.facts = Facts(expected_prefill, {r.name for r in self.model.waiting if r.name in running_before},
@@ -928,8 +930,12 @@ class Driver:
                 return "decode-takes-the-running"  # the step stopped short: the rest still run, undecoded
             sent_back = {name for name in self.queue("waiting") if name in self.before["running"]}
             if sent_back and not self.facts.preempted:  # it found no room where there was
-                # several sent back at once: preempted while there was room (the loop's test), not one slot miscounted
-                return "preempt-the-newest" if len(sent_back) > 1 else "decode-takes-a-slot"
+                # several sent back at once, or the newest alone while a block stayed free after every slot the step
+                # took (no slot count can miss there): preempted while there was room (the loop's test), not one slot
+                # miscounted
+                spare = len(self.free_before) > len(self.facts.taken)
+                newest = sent_back == set(self.before["running"][-1:])
+                return "preempt-the-newest" if len(sent_back) > 1 or spare and newest else "decode-takes-a-slot"
             return "preempt-the-newest" if self.facts.preempted or set(names) - set(wanted) else \
                 "decode-takes-the-running"
         if names and wanted and names[0] == wanted[0] and seen[0] != want[0]:  # the first request's count
@@ -1160,6 +1166,10 @@ def play_toy(impl, scenario: dict) -> None:
                 d.fail(f"{where}: {name}'s num_computed_tokens is {seen.computed}, expected "
                        f"{count(step['num_computed_tokens'][name], 'computed token')}",
                        d.computed_rule(name, seen.computed, step["num_computed_tokens"][name]))
+            want = d.models[name].tokens  # the prompt and the tokens the step's sampled list gave it, as the model has
+            if seen.tokens != want:
+                d.fail(f"{where}: {name}'s token_ids is {differing(seen.tokens, want)}",
+                       d.tokens_rule(name, seen.tokens, want))
     for name, want in scenario["completions"].items():
         tokens = d.request(name).tokens
         if tokens[len(prompts[name]) :] != want:
@@ -1169,7 +1179,8 @@ def play_toy(impl, scenario: dict) -> None:
 
 @pytest.mark.parametrize("scenario", TOY["scenarios"], ids=lambda s: s["name"])
 def test_toy_scenario(impl, scenario):
-    """the page's toy scenarios: batch, queues, free list, block tables and computed tokens after each step"""
+    """the page's toy scenarios: batch, queues, free list, block tables, computed tokens and token_ids after each
+    step"""
     play_toy(impl, scenario)
 
 

@@ -545,21 +545,31 @@ def test_parallel_lm_head(impl, gen, tp):
 
 LAYER_SPLITS = {**SPLITS, f"tp2-{QWEN3}": (2, QWEN3)}
 LAYER_CASES = [(split, dtype) for dtype in DTYPES for split in SPLITS] + [(f"tp2-{QWEN3}", "fp32")]
+LAYER_EPS = 1e-3  # the layer check's norm eps, not Qwen3's 1e-6: a layer reads its own
 
 
 @pytest.mark.parametrize("split, dtype", LAYER_CASES, ids=[f"{split}-{dtype}" for split, dtype in LAYER_CASES])
 def test_layer_matches_hf(impl, seed, split, dtype):
-    """tp_decoder_layer on every rank gives layer 0's output of HF Qwen3ForCausalLM (float64)"""
+    """tp_decoder_layer on every rank gives layer 0's output of HF Qwen3ForCausalLM (float64), for a layer whose norm
+    eps is 0.001"""
     tp, layout = LAYER_SPLITS[split]
     dtype = DTYPES[dtype]
-    case = hf_case(seed, layout, dtype, 6)
+    case = model_case(seed, SHAPES[layout], dtype, 6, eps=LAYER_EPS)
     layer = case.w.layers[0]
     hidden = case.w.embed_tokens[case.prompt]  # [P, hidden]: what layer 0 receives
     cos, sin = rope_tables(case.w.head_dim, torch.arange(6), dtype)
     group = ranks(impl, tp)
     out = group.call("tp_decoder_layer", [(rank_layer(layer, r, tp), hidden, cos, sin) for r in range(tp)])
-    layer_on_every_rank(group, out, case.steps[(0, "output")], tolerance("model", dtype), f"layer 0's output ({tp} "
-                        f"ranks)")
+    tol, what = tolerance("model", dtype), f"layer 0's output ({tp} ranks, norm eps {LAYER_EPS:g})"
+    try:
+        layer_on_every_rank(group, out, case.steps[(0, "output")], tol, what)
+    except Mismatch as failure:
+        try:  # the same weights and tokens with Qwen3's eps: a layer that writes 1e-6 in gives this output
+            on_every_rank(out, hf_case(seed, layout, dtype, 6).steps[(0, "output")], tol, what)
+        except Mismatch:
+            raise failure from None
+        raise Mismatch(f"{failure} · it is the output of a norm eps of 1e-6, Qwen3's: every norm reads the layer's "
+                       f"own eps", "layer-reduces-partial-sums") from None
 
 
 def count_words(names: list[str]) -> str:
@@ -621,18 +631,42 @@ def test_model_matches_hf(impl, seed, gen, split, dtype):
     expect_close(logits, case.logits, tolerance("model", dtype), f"rank 0's logits ({P} tokens, {tp} ranks)")
     if dtype == torch.float32:
         expect_other_models_on_the_same_ranks(impl, seed, tp, layout, P)
-    if dtype != torch.float32:  # a half-precision model's caches hold its dtype (keys rotated by float32 tables
-        # are float32: twice the memory, rounded otherwise than HF's, and the logits cannot tell)
-        group = ranks(impl, tp)
-        caches = [[group.make_on(r, "KVCache") for _ in case.w.layers] for r in range(tp)]
-        group.call("tp_model_forward", [(rank_model(case.w, r, tp), case.prompt, caches[r]) for r in range(tp)])
-        for rank in range(tp):
-            chunks = attribute(caches[rank][0], "k")
-            held = sorted({str(c.dtype).removeprefix("torch.") for c in chunks}) if isinstance(chunks, list) else chunks
-            if held != [str(dtype).removeprefix("torch.")]:
-                raise Mismatch(f"rank {rank}'s layer-0 cache holds keys of dtype {held} in a "
-                               f"{str(dtype).removeprefix('torch.')} model: keys and values keep the model's dtype "
-                               f"(the RoPE tables too: rope_cos_sin(..., dtype))", "model-forward")
+    if dtype != torch.float32:
+        expect_half_caches_far_in(impl, case, tp, dtype)
+
+
+def expect_half_caches_far_in(impl, case: ModelCase, tp: int, dtype: torch.dtype) -> None:
+    """A half-precision model's prompt after caches of FAR_START zero keys and values: its caches hold its dtype (keys
+    rotated by float32 tables are float32: twice the memory, rounded otherwise than HF's, and the logits cannot tell)
+    and layer 0's new keys are HF's, rotated at positions FAR_START and on (integers: bfloat16 holds them exactly
+    only up to 256)."""
+    group = ranks(impl, tp)
+    kvh, D = case.w.layers[0].num_kv_heads // tp, case.w.head_dim
+    caches = [[group.make_on(r, "KVCache") for _ in case.w.layers] for r in range(tp)]
+    for r in range(tp):
+        for layer_cache in caches[r]:
+            group.set_up(layer_cache, "append", torch.zeros(FAR_START, kvh, D, dtype=dtype),
+                         torch.zeros(FAR_START, kvh, D, dtype=dtype))
+    group.call("tp_model_forward", [(rank_model(case.w, r, tp), case.prompt, caches[r]) for r in range(tp)])
+    name = str(dtype).removeprefix("torch.")
+    for rank in range(tp):
+        chunks = attribute(caches[rank][0], "k")
+        held = sorted({str(c.dtype).removeprefix("torch.") for c in chunks}) if isinstance(chunks, list) else chunks
+        if held != [name]:
+            raise Mismatch(f"rank {rank}'s layer-0 cache holds keys of dtype {held} in a {name} model: keys and "
+                           f"values keep the model's dtype (the RoPE tables too: rope_cos_sin(..., dtype))",
+                           "model-forward")
+    P = len(case.prompt)
+    keys = hf_first_layer_keys(case.w, case.prompt, FAR_START)  # [P, KVH, D]
+    for rank in range(tp):
+        new = torch.cat(list(attribute(caches[rank][0], "k")))[FAR_START:]
+        try:
+            expect_close(new, keys[:, rank * kvh : (rank + 1) * kvh], tolerance("model", dtype),
+                         f"rank {rank}'s layer-0 cached keys of a {name} model's {P} tokens after {FAR_START} cached")
+        except Mismatch as failure:  # (a LearnerError: a replay compares results, not caches)
+            raise LearnerError(f"{failure} · each key is rotated at its token's own position, {FAR_START} .. "
+                               f"{FAR_START + P - 1} here: positions are integers ({name} holds them exactly only "
+                               f"up to 256)", rule="model-forward") from None
 
 
 OTHER_MODELS = (("eps", 1e-3), ("rope_theta", 1e4))  # on the ranks that served Qwen3's 1e-6 and 1e6 just before

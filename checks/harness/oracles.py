@@ -341,15 +341,16 @@ def hf_logits_and_steps(model: modeling_qwen3.Qwen3ForCausalLM, token_ids: torch
     return logits, steps
 
 
-def hf_first_layer_keys(w: ModelWeights, token_ids: torch.Tensor) -> torch.Tensor:
+def hf_first_layer_keys(w: ModelWeights, token_ids: torch.Tensor, start: int = 0) -> torch.Tensor:
     """Layer 0's keys [T, KVH, D] in float64 as HF's Qwen3 computes them for one prefill of `token_ids` [T] (normed,
-    then rotated at positions 0 .. T-1): what a layer-0 KV cache holds after it."""
+    then rotated at positions start .. start+T-1): what a layer-0 KV cache holds after it (a layer-0 key depends on
+    its token and position only)."""
     model = hf_causal_lm(w.to(torch.float64), torch.float64)
     layer, T = model.model.layers[0], token_ids.shape[0]
     with torch.no_grad():
         normed = layer.input_layernorm(model.model.embed_tokens(token_ids[None]))  # [1, T, hidden]
         k = layer.self_attn.k_norm(layer.self_attn.k_proj(normed).view(1, T, -1, w.head_dim)).transpose(1, 2)
-        cos, sin = model.model.rotary_emb(k, torch.arange(T)[None])
+        cos, sin = model.model.rotary_emb(k, torch.arange(start, start + T)[None])
         _, k = modeling_qwen3.apply_rotary_pos_emb(k, k, cos, sin)  # [1, KVH, T, D]
     return k[0].transpose(0, 1)
 
