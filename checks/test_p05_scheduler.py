@@ -1460,6 +1460,33 @@ def test_preempted_requests_come_back_first_and_are_recomputed(impl):
                f"0, so its tokens are not all computed, and the token sampled for it is discarded",
                "postprocess-appends-the-token")
     expect_preempted_from_outside(impl)
+    expect_postprocess_past_a_preempted_row(impl)
+
+
+def expect_postprocess_past_a_preempted_row(impl) -> None:
+    """postprocess of a prefill step of three requests whose middle one `preempt` took back after `schedule`: that
+    row computed nothing and its token is discarded; the rows after it are applied as any other."""
+    d = Driver(impl, 10, 4, 4, 16)
+    prompts = {"A": [1, 2, 3], "B": [5, 6], "C": [7]}
+    for i, prompt in enumerate(prompts.values()):
+        d.add(i, prompt, 4)
+    batch, _ = d.scheduler.schedule()  # prefill [A 3, B 2, C 1]
+    d.scheduler.preempt(batch[1])  # B, the middle row (it stays in running: only the three requests are read)
+    try:
+        d.scheduler.postprocess(batch, [30, 31, 32])
+    except LearnerError as error:
+        raise error.noted("postprocess of a prefill step [A 3, B 2, C 1] whose B preempt() took back after "
+                          "schedule(): B's num_scheduled_tokens is 0, so its token is discarded") from None
+    want = {"A": ([1, 2, 3, 30], 3), "B": ([5, 6], 0), "C": ([7, 32], 1)}
+    got = {name: (d.request(name).tokens, d.request(name).computed) for name in want}
+    wrong = [name for name in want if got[name] != want[name]]
+    if wrong:
+        said = "; ".join(f"{name} has tokens {got[name][0]} and {count(got[name][1], 'computed token')}, expected "
+                         f"{want[name][0]} and {want[name][1]}" for name in wrong)
+        d.fail(f"postprocess of a prefill step [A 3, B 2, C 1] whose middle request B preempt() took back after "
+               f"schedule(), with tokens [30, 31, 32]: {said}: B computed nothing, so its token is discarded, and every "
+               f"row is handled on its own, the rows after B too",
+               "postprocess-appends-the-token" if "B" in wrong else "finished-leaves")
 
 
 def expect_preempted_from_outside(impl) -> None:
@@ -1482,7 +1509,11 @@ def expect_preempted_from_outside(impl) -> None:
     d.step()  # prefill [A 3]
     d.add(1, list(range(10, 20)), 2)
     d.step()  # prefill [B 6], a chunk: B stays first in waiting with its blocks
-    d.scheduler.preempt(d.remotes["A"])  # (A stays in running too: only the queues' order is read below)
+    d.scheduler.preempt(d.remotes["A"])  # A stays in running: its caller takes it off
+    running = d.queue("running")
+    if running != ["A"]:
+        d.fail(f"preempt(A) of running A left running {ids(running)}, expected [A]: preempt leaves running alone, its "
+               f"caller takes the request off (as the decode loop's running.pop() does)", "preempt-resets")
     waiting = d.queue("waiting")
     if waiting[:2] != ["A", "B"]:
         d.fail(f"preempt(A) of running A, while B's prompt waits half computed (6 of 10), left waiting {ids(waiting)}, "

@@ -800,12 +800,14 @@ def test_sample_is_the_exponential_race(impl, gen):
     noise[1, 0] = 1e-40  # ... a draw below float32's normal range too (1 / 1e-40 is inf, and 0 * inf is NaN)
     small, large = sorted((1, 2), key=lambda i: float(probs[0, i]))  # ... and kept ones' tiny draws are divided as
     noise[0, small], noise[0, large] = 1e-30, 1e-25  # they are: the less likely one's smaller draw wins the race
+    noise[2, 1] = 1e-40  # a kept token's draw below float32's normal range: its ratio is inf there, and wins
     got = impl.sample(probs.clone(), noise.clone())
     expected = (probs.double() / noise.double()).argmax(-1)
     if got.tolist() != expected.tolist():
         raise Mismatch(f"sample chose {got.tolist()}, argmax(probs / noise) is {expected.tolist()} (row 1's token 0 "
                        f"has probability 0 and a draw of 1e-40; row 0 has draws of 1e-30 and 1e-25 on kept tokens "
-                       f"{small} and {large})")
+                       f"{small} and {large}; row 2's token 1, kept, has a draw of 1e-40, whose ratio, inf in float32, "
+                       f"wins: divide every draw as it is)")
 
 
 # ---- the engine against HF -----------------------------------------------------------------------------

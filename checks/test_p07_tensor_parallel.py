@@ -17,7 +17,7 @@ from functools import cache
 import pytest
 import torch
 
-from checks.harness.compare import Mismatch, expect_close, tolerance
+from checks.harness.compare import Mismatch, close_enough, expect_close, tolerance
 from checks.harness.guard import LearnerError, class_name_of
 from checks.harness.oracles import (
     LayerWeights,
@@ -720,6 +720,11 @@ def test_chunked_calls_with_caches(impl, seed):
                          f"rank 0's logits for tokens {first} .. {stop - 1} (after {start} cached; all_logits={every})")
         except Mismatch as failure:
             short = [(r, n) for r, n in enumerate(held) if n != start]
+            if not short and start and close_enough(logits, alone_logits(case, start, stop)[first - start :], tol):
+                raise Mismatch(f"{failure} · they are the logits of tokens {start} .. {stop - 1} alone (at their "
+                               f"positions), as if nothing were cached, though every layer's cache held the {start} "
+                               f"before them: with a cache, a layer's attention reads every key it holds",
+                               "layer-reduces-partial-sums") from None
             if not short:
                 raise
             rank, n = short[0]
@@ -744,6 +749,15 @@ def test_chunked_calls_with_caches(impl, seed):
             raise LearnerError(f"{failure} · a cache holds each token's key normed and rotated at the token's own "
                                f"position (0 .. {len(case.prompt) - 1} over the three calls), for the rank's kv "
                                f"heads {rank * kvh} .. {(rank + 1) * kvh - 1}", rule="model-forward") from None
+
+
+def alone_logits(case: ModelCase, start: int, stop: int) -> torch.Tensor:
+    """HF's float64 logits [stop - start, V] of the case's tokens start .. stop-1 alone, at their positions, with
+    nothing cached before them (what a layer that ignores its cache computes for a later chunk)."""
+    model = hf_causal_lm(case.w.to(torch.float64), torch.float64)
+    with torch.no_grad():
+        return model(case.prompt[None, start:stop], position_ids=torch.arange(start, stop)[None],
+                     use_cache=False).logits[0]
 
 
 FAR_START = 5000  # a chunk at positions 5000 and 5001: past 4096, where a RoPE table of a fixed length ends

@@ -452,7 +452,8 @@ RULES = [
          "request itself if there is still no slot"),
     Rule("preempt-resets",
          "preempt frees the request's blocks and sets its num_computed_tokens and num_scheduled_tokens to 0 and its "
-         "status to WAITING, and keeps its token_ids whole: its K/V is gone, all its tokens are recomputed",
+         "status to WAITING, keeps its token_ids whole and leaves running alone (its caller takes the request off): "
+         "its K/V is gone, all its tokens are recomputed",
          "in preempt: block_manager.free(request), then reset those three fields; a request that preempts itself "
          "gets back the token its decode step took off"),
     Rule("preempted-come-back-first",

@@ -320,7 +320,7 @@ RULES = [
     Rule("layer-reduces-partial-sums",
          "tp_decoder_layer is HF's decoder layer on the rank's heads and features: o_proj's and down_proj's "
          "outputs are partial sums, all_reduced (summed) before each residual add, with the input and post-"
-         "attention norms where HF has them",
+         "attention norms where HF has them, and attention over every key its cache holds",
          "all_reduce right after o_proj and right after down_proj, then add_rms_norm as on one rank"),
     Rule("two-all-reduces-a-layer",
          "a decoder layer makes exactly two collectives (all_reduce after o_proj and after down_proj); the model "
