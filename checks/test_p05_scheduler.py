@@ -677,6 +677,16 @@ class Driver:
             left = self.budget - sum(n for _, n in batch[:first])  # the budget left when the step took it
             rule = "one-kind-a-step" if not is_prefill else "token-budget" if left < 1 else \
                 "cost-is-what-is-not-computed"  # budget was left: its cost came out below 1
+            name = batch[first][0]
+            if rule == "cost-is-what-is-not-computed" and name not in self.holding:  # its blocks came this step:
+                computed = self.request(name).computed  # its progress is what allocate found cached, no more
+                cached = self.read(self.remotes[name], "num_cached_tokens", name)
+                if isinstance(cached, int) and computed > cached:
+                    self.fail(f"{at}: the batch {batch_text(batch)} (request and num_scheduled_tokens) schedules no "
+                              f"token for {name}, whose num_computed_tokens is {computed} after allocate found "
+                              f"{count(cached, 'cached token')}: a request that gets its blocks starts with "
+                              f"num_computed_tokens = num_cached_tokens (a count of tokens), and computes the rest",
+                              "cached-prefix-is-computed")
             if rule == "cost-is-what-is-not-computed" and first:  # a later request: did it fit what was left?
                 idle_one = self.request(batch[first][0])
                 cost = len(idle_one.tokens) - idle_one.computed
@@ -1034,6 +1044,10 @@ class Driver:
             prompt = self.read(self.remotes[name], "num_prompt_tokens", name)
             if name in self.ever_preempted and prompt != self.models[name].prompt_len:
                 return "preempt-resets"  # its completion tokens were counted as prompt after the preemption
+        missing = [name for name in want if name not in got]
+        if missing and set(got) <= set(want) and all(
+                self.read(self.remotes[name], "status", name) == FINISHED for name in missing):
+            return "finished-leaves"  # they did finish (status FINISHED), and were left out of the list returned
         return "finish-on-eos-or-max-tokens"
 
     def leaked(self) -> bool:
@@ -1153,7 +1167,7 @@ def play_toy(impl, scenario: dict) -> None:
             if got != want:
                 d.fail(f"{where}: {'the finished requests are' if field == 'finished' else field + ' is'} "
                        f"{ids(got)}, expected {ids(want)}",
-                       "finish-on-eos-or-max-tokens" if field == "finished" else d.queue_rule(field, got, want))
+                       d.finished_rule(got, want) if field == "finished" else d.queue_rule(field, got, want))
         free = d.blocks()[0]
         if free != step["free"]:
             d.fail(f"{where}: block_manager.free_block_ids is {differing(free, step['free'])}",

@@ -578,7 +578,11 @@ def expect_tiny_temperature_splits_a_tie(impl, row: torch.Tensor) -> None:
                            f"computed as exp(x) / sum(exp(x)) gives inf / inf; subtract the row's largest first "
                            f"(torch.softmax does)", error.identifiable, rule="probabilities-by-definition") from None
     if not torch.allclose(got.double(), expected, atol=1e-6):
-        kept = (got[0] > 0).nonzero().flatten().tolist()
+        kept, total = (got[0] > 0).nonzero().flatten().tolist(), float(got[0].double().sum())
+        if abs(total - 1) > 1e-4:  # not even a distribution: the softmax was not taken along the row
+            raise Mismatch(f"{what} gives a row that sums to {total:.4g}, expected 0.5 each at tokens "
+                           f"{list(TIED_AT_THE_TOP)}: a row's probabilities are the softmax of its own logits / t, "
+                           f"taken along the row, and sum to 1", "probabilities-by-definition")
         raise Mismatch(f"{what} gives {[round(x, 4) for x in got[0][kept].tolist()]} at tokens {kept}, expected 0.5 "
                        f"each at tokens {list(TIED_AT_THE_TOP)}: only temperature 0 is greedy; any other temperature "
                        f"divides the logits as it is given (no floor), and logits tied stay tied",
