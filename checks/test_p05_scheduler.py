@@ -1498,8 +1498,8 @@ def expect_postprocess_past_a_preempted_row(impl) -> None:
         said = "; ".join(f"{name} has tokens {got[name][0]} and {count(got[name][1], 'computed token')}, expected "
                          f"{want[name][0]} and {want[name][1]}" for name in wrong)
         d.fail(f"postprocess of a prefill step [A 3, B 2, C 1] whose middle request B preempt() took back after "
-               f"schedule(), with tokens [30, 31, 32]: {said}: B computed nothing, so its token is discarded, and every "
-               f"row is handled on its own, the rows after B too",
+               f"schedule(), with tokens [30, 31, 32]: {said}: B computed nothing, so its token is discarded, and "
+               f"every row is handled on its own, the rows after B too",
                "postprocess-appends-the-token" if "B" in wrong else "finished-leaves")
 
 
