@@ -169,8 +169,8 @@ def random_weights(gen, layout: str) -> ModelWeights:
     return ModelWeights.random(gen, *SHAPES[layout])  # (V, hidden, I, L, H, KVH, D)
 
 
-def hf_case(seed: int, layout: str, dtype: torch.dtype, P: int) -> ModelCase:
-    return model_case(seed, SHAPES[layout], dtype, P)
+def hf_case(seed: int, layout: str, dtype: torch.dtype, P: int, **scalars) -> ModelCase:
+    return model_case(seed, SHAPES[layout], dtype, P, **scalars)  # scalars: eps, rope_theta (Qwen3's unless given)
 
 
 # ---- reading what the ranks return ----------------------------------------------------------------------
@@ -554,7 +554,7 @@ def test_layer_matches_hf(impl, seed, split, dtype):
     eps is 0.001"""
     tp, layout = LAYER_SPLITS[split]
     dtype = DTYPES[dtype]
-    case = model_case(seed, SHAPES[layout], dtype, 6, eps=LAYER_EPS)
+    case = hf_case(seed, layout, dtype, 6, eps=LAYER_EPS)
     layer = case.w.layers[0]
     hidden = case.w.embed_tokens[case.prompt]  # [P, hidden]: what layer 0 receives
     cos, sin = rope_tables(case.w.head_dim, torch.arange(6), dtype)
@@ -616,8 +616,8 @@ def test_collectives(impl, seed):
 @pytest.mark.parametrize("split", SPLITS)
 def test_model_matches_hf(impl, seed, gen, split, dtype):
     """tp_model_forward: rank 0's logits for every position (all_logits) or the last one match HF Qwen3ForCausalLM,
-    the others return None, a bf16 model's caches hold bf16 keys, and models of another eps or RoPE base on the
-    same ranks match too"""
+    the others return None, a bf16 model's caches hold bf16 keys (rotated at positions past 5000 too), and models of
+    another eps or RoPE base on the same ranks match too"""
     tp, layout = SPLITS[split]
     P = int(torch.randint(4, 10, (), generator=gen))
     case = hf_case(seed, layout, dtype, P)
@@ -676,7 +676,7 @@ def expect_other_models_on_the_same_ranks(impl, seed: int, tp: int, layout: str,
     """Two more models on the same ranks, one with another norm eps, one with another RoPE base: each call reads
     its model's (nothing kept from an earlier model: a frequency or a table of Qwen3's is another model's)."""
     for name, value in OTHER_MODELS:
-        case = model_case(seed, SHAPES[layout], torch.float32, P, **{name: value})
+        case = hf_case(seed, layout, torch.float32, P, **{name: value})
         shards = [rank_model(case.w, r, tp) for r in range(tp)]
         if name == "rope_theta":  # ... whose shard layers are namedtuples (any object with their attributes)
             shards = [replace(m, layers=tuple(frozen(x) for x in m.layers)) for m in shards]
